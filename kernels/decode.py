@@ -1,0 +1,297 @@
+"""Triton kernels for paged decode attention (q_len = 1).
+
+Work unit: a KV *tile* = BLOCK_N consecutive tokens of one request for one KV head,
+with all G = Hq / Hkv query heads of that KV head packed into the tile's rows
+(PackGQA, padded to G_PAD >= 16 rows for the tensor-core dot). A *segment* is the
+run of tiles of one (request, KV head) pair.
+
+Two kernels walk the segments, one per scheduling mode:
+
+* ``decode_stream_kernel`` (policy ``balanced``): a persistent grid of C CTAs. The
+  planner lays every segment end to end on one cost line (each segment costs its
+  tiles plus a fixed overhead) and gives CTA c the cost range
+  ``[c * piece, min((c + 1) * piece, total))``. A segment cut by a range boundary
+  produces partial (O, LSE) pairs that ``merge_stream_kernel`` combines.
+* ``decode_units_kernel`` (policies ``fa3`` and ``none``): work units are
+  (request, split, KV head) triples. Persistent CTAs pull units from an atomic
+  counter in the planner's (heaviest first) order, or one program runs one unit.
+
+Both kernels share ``_attend_tiles`` (online softmax over a tile range) and
+``_store_rows``. Softmax is computed in base 2: q is pre-scaled by
+``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module is a
+base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
+passes 2**31 for caches beyond 2**31 elements.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2,
+            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows g < G of q[b, h*G + g, :], scaled; rows >= G are zero (they only pad the dot)."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+    ptrs = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
+    q = tl.load(ptrs, mask=mask, other=0.0)
+    return (q.to(tl.float32) * sm_scale_log2).to(q.dtype)
+
+
+@triton.jit
+def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                  page_row_ptr, h, seq_len, tile_begin, tile_end,
+                  PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Online softmax of q against tiles [tile_begin, tile_end) of one segment.
+
+    Returns (acc [G_PAD, BLOCK_D] fp32, unnormalised), m [G_PAD] (running base-2 max)
+    and l [G_PAD] (running sum). Tokens at or past ``seq_len`` are masked, so the
+    page-table tail and the unused part of the last page are never read.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    k_head = k_ptr + h.to(tl.int64) * stride_k_head
+    v_head = v_ptr + h.to(tl.int64) * stride_v_head
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+        tok = tile * BLOCK_N + offs_n
+        mask_n = tok < seq_len
+        page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l,
+                G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, h*G + g, :] = acc / l; a row that saw no token (l == 0) is written as zeros."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    safe_l = tl.where(l > 0, l, 1.0)
+    o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + offs_g[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l,
+                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """o_part[slot] = acc / l (fp32 [G, HEAD_DIM]); lse_part[slot] = m + log2(l) ([G])."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = slot.to(tl.int64) * G
+    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_part_ptr + (base + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=mask)
+    tl.store(lse_part_ptr + base + offs_g, m + tl.log2(l), mask=offs_g < G)
+
+
+@triton.jit
+def decode_stream_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+    seq_lens_ptr, page_table_ptr, req_cost_start_ptr, cta_first_req_ptr, plan_scalars_ptr,
+    stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_ob, stride_oh, stride_pt, sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
+):
+    """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
+
+    Segment (b, h) spans cost [req_cost_start[b] + h*seg_cost, ... + seg_cost) with
+    seg_cost = n_tiles + SEGMENT_OVERHEAD (0 for an empty request); its tile t sits at
+    cost seg_lo + SEGMENT_OVERHEAD + t. A segment this CTA covers whole is written to
+    ``out``; a cut one goes to partial slot 2*c + (c is the segment's first CTA), which
+    ``merge_stream_kernel`` finds again from the same arithmetic.
+    """
+    cta = tl.program_id(0)
+    piece = tl.load(plan_scalars_ptr)
+    total = tl.load(plan_scalars_ptr + 1)
+    pos = cta * piece
+    end = tl.minimum(pos + piece, total)
+    b = tl.load(cta_first_req_ptr + cta)
+    while pos < end:
+        seq_len = tl.load(seq_lens_ptr + b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        seg_cost = tl.where(n_tiles > 0, n_tiles + SEGMENT_OVERHEAD, 0)
+        if seg_cost > 0:
+            req_lo = tl.load(req_cost_start_ptr + b)
+            h = (pos - req_lo) // seg_cost
+            seg_lo = req_lo + h * seg_cost
+            tile_begin = tl.maximum(pos - seg_lo - SEGMENT_OVERHEAD, 0)
+            tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
+            if tile_end > tile_begin:
+                q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+                acc, m, l = _attend_tiles(
+                    q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                    page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
+                    PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                if (tile_begin == 0) & (tile_end == n_tiles):
+                    _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                else:
+                    first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
+                    slot = 2 * cta + (cta == first_cta).to(tl.int32)
+                    _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            pos = seg_lo + seg_cost
+            b = tl.where(h == NUM_KV_HEADS - 1, b + 1, b)
+        else:
+            b = b + 1
+
+
+@triton.jit
+def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
+                 first, count, slot_a, slot_c, slot_first_extra,
+                 G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge partials i = first .. first+count-1 stored at slot a*i + c (+extra for i == first).
+
+    Online LSE merge in base 2, partials in increasing i: a fixed order, so the result
+    does not depend on which CTA finished first.
+    """
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask = mask_g[:, None] & (offs_d[None, :] < HEAD_DIM)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    weight = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for i in range(first, first + count):
+        slot = slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)
+        base = slot.to(tl.int64) * G
+        lse = tl.load(lse_part_ptr + base + offs_g, mask=mask_g, other=0.0)
+        o = tl.load(o_part_ptr + (base + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        weight = weight * alpha + w
+        m = m_new
+    _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, weight, G, G_PAD, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def merge_stream_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr, plan_scalars_ptr,
+    stride_ob, stride_oh,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENT_OVERHEAD: tl.constexpr,
+):
+    """One program per segment (b, h): merge it if the balanced partition cut it, and
+    write zeros for an empty request (seq_len 0: padded rows, which no CTA visits)."""
+    seg = tl.program_id(0)
+    b = seg // NUM_KV_HEADS
+    h = seg % NUM_KV_HEADS
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    if n_tiles == 0:
+        zero = tl.zeros([G_PAD], tl.float32)
+        _store_rows(out_ptr, stride_ob, stride_oh, b, h, tl.zeros([G_PAD, BLOCK_D], tl.float32), zero,
+                    G, G_PAD, HEAD_DIM, BLOCK_D)
+    else:
+        piece = tl.load(plan_scalars_ptr)
+        seg_lo = tl.load(req_cost_start_ptr + b) + h * (n_tiles + SEGMENT_OVERHEAD)
+        first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
+        last_cta = (seg_lo + SEGMENT_OVERHEAD + n_tiles - 1) // piece
+        if last_cta > first_cta:
+            # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
+            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
+                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, G_PAD, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def decode_units_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+    seq_lens_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr, req_tiles_per_split_ptr,
+    num_units_ptr, queue_ptr,
+    stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_ob, stride_oh, stride_pt, sm_scale_log2,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """Unit-queue decode. Unit u = (split j = u // Hkv, head h = u % Hkv); split j is
+    split ``unit_split[j]`` of request ``unit_req[j]``.
+
+    PERSISTENT: CTAs pull units from ``queue[0]`` (atomic); the last CTA to leave resets
+    both queue words so the next launch (or graph replay) starts from zero.
+    Otherwise program u runs unit u, and every request has exactly one split.
+    A request with one split writes ``out``; split k of a longer one writes partial
+    slot u, which ``merge_units_kernel`` reads back.
+    """
+    if PERSISTENT:
+        num_units = tl.load(num_units_ptr)
+        unit = tl.atomic_add(queue_ptr, 1)
+    else:
+        num_units = tl.num_programs(0)
+        unit = tl.program_id(0)
+    while unit < num_units:
+        j = unit // NUM_KV_HEADS
+        h = unit % NUM_KV_HEADS
+        if PERSISTENT:
+            b = tl.load(unit_req_ptr + j)
+            split = tl.load(unit_split_ptr + j)
+            num_splits = tl.load(req_splits_ptr + b)
+            tiles_per_split = tl.load(req_tiles_per_split_ptr + b)
+        else:
+            b = j
+            split = j * 0
+            num_splits = split + 1
+            tiles_per_split = split
+        seq_len = tl.load(seq_lens_ptr + b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        # split is 0 whenever num_splits is 1, so tile_begin is 0 there.
+        tile_begin = split * tiles_per_split
+        tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))
+        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+        acc, m, l = _attend_tiles(
+            q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
+            PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+        if num_splits == 1:
+            _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        else:
+            _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        if PERSISTENT:
+            unit = tl.atomic_add(queue_ptr, 1)
+        else:
+            unit = num_units
+    if PERSISTENT:
+        leaving = tl.atomic_add(queue_ptr + 1, 1)
+        if leaving == tl.num_programs(0) - 1:
+            tl.atomic_xchg(queue_ptr, 0)
+            tl.atomic_xchg(queue_ptr + 1, 0)
+
+
+@triton.jit
+def merge_units_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr,
+    stride_ob, stride_oh,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per segment (b, h): merge the splits of a request that has more than
+    one; split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h."""
+    seg = tl.program_id(0)
+    b = seg // NUM_KV_HEADS
+    h = seg % NUM_KV_HEADS
+    num_splits = tl.load(req_splits_ptr + b)
+    if num_splits > 1:
+        base = tl.load(req_split_base_ptr + b)
+        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
+                     base, num_splits, NUM_KV_HEADS, h, 0, G, G_PAD, HEAD_DIM, BLOCK_D)
