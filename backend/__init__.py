@@ -1,0 +1,16 @@
+"""evenkv: decode attention whose time follows the KV bytes read.
+
+Public API:
+    DecodeAttention  plan once per batch, run once per layer (CUDA-graph capturable)
+    decode           one-shot functional decode for scripts
+    write_kv         scatter new K/V into the paged cache
+"""
+
+from .arch import DecodeConfig, decode_config, resolve_arch
+from .decode import POLICIES, DecodeAttention, decode, write_kv
+from .schedule import DecodePlan, StreamSchedule, UnitSchedule
+
+__version__ = "0.1.0"
+
+__all__ = ["DecodeAttention", "decode", "write_kv", "DecodeConfig", "decode_config", "resolve_arch",
+           "DecodePlan", "StreamSchedule", "UnitSchedule", "POLICIES"]

@@ -1,0 +1,92 @@
+"""Per-architecture decode configurations, chosen by one cached probe.
+
+``decode_config(arch, head_dim)`` returns a frozen :class:`DecodeConfig`. The arch is
+``"sm80"`` (A100-class: SM80/86/89) or ``"sm90"`` (Hopper); ``EVENKV_ARCH=sm80|sm90``
+or an explicit ``arch=`` overrides the probe, so both tables run anywhere (an SM80
+table runs on Hopper; the CPU lane tests both under the Triton interpreter).
+
+The persistent grid is not in the table: it is the SM count times the resident
+CTAs per SM that the compiled kernel's registers and shared memory allow, capped by
+``max_ctas_per_sm`` (see ``evenkv.kernels.decode_launch.resident_ctas_per_sm``).
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+ARCHES = ("sm80", "sm90")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Compile-time shape of the decode kernels for one architecture and head_dim class.
+
+    block_n: KV tokens per tile (the unit of work and of the balanced partition).
+    num_warps / num_stages: of the decode kernels (stages = loads in flight per CTA).
+    max_ctas_per_sm: cap on resident persistent CTAs per SM.
+    segment_overhead: fixed cost of starting a (request, KV head) segment, in tiles,
+        charged by the balanced partition (Q load, softmax state, epilogue store).
+    merge_num_warps: of the LSE merge kernel.
+    """
+
+    name: str
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_ctas_per_sm: int
+    segment_overhead: int
+    merge_num_warps: int = 4
+
+
+# Provenance: first tables, sized by the Hopper/Ampere shared-memory budget
+# (K+V tile of 64 x 128 bf16 = 32 KiB per stage); to be replaced by H200 measurements.
+_TABLES = {
+    "sm80": {
+        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=4, segment_overhead=1),
+        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=4, segment_overhead=1),
+    },
+    "sm90": {
+        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),
+        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),
+    },
+}
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_arch(device_index: int) -> str:
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def resolve_arch(arch: str | None, device: torch.device) -> str:
+    """The config family for ``device``: explicit ``arch``, else EVENKV_ARCH, else the probe.
+
+    The interpreter (and any CPU device) defaults to ``sm90``.
+    """
+    chosen = arch if arch is not None else os.environ.get("EVENKV_ARCH") or None
+    if chosen is not None:
+        if chosen not in ARCHES:
+            raise ValueError(f"arch: expected one of {ARCHES}, got {chosen!r}")
+        return chosen
+    if device.type != "cuda" or is_interpreter():
+        return "sm90"
+    return _probe_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def decode_config(arch: str, head_dim: int) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` (<= 128 or 256)."""
+    if arch not in ARCHES:
+        raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
+    return _TABLES[arch]["small" if head_dim <= 128 else "large"]
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,58 @@
+"""Input validation shared by every public entry point.
+
+Every failure raises ``TypeError`` (not a tensor, wrong dtype) or ``ValueError`` (wrong
+rank, shape, device, value) with the argument's name, what was expected and what was
+given. Never ``assert``: asserts vanish under ``python -O``.
+"""
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple | None = None,
+                 device: torch.device | None = None, last_dim_contiguous: bool = False) -> torch.Tensor:
+    """Check ``value`` is a tensor of ``shape`` (None entries match any size), one of
+    ``dtypes``, on ``device``; return it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if shape is not None:
+        if value.dim() != len(shape):
+            raise ValueError(f"{name}: expected {len(shape)} dims {_fmt(shape)}, got shape {tuple(value.shape)}")
+        for want, got in zip(shape, value.shape):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: expected shape {_fmt(shape)}, got {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {value.dtype}")
+    if device is not None and not same_device(value.device, device):
+        raise ValueError(f"{name}: expected device {device}, got {value.device}")
+    if last_dim_contiguous and value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride in the last dim, got strides {value.stride()}")
+    return value
+
+
+def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {value}")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality where ``cuda`` and ``cuda:<current>`` are the same device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def _fmt(shape: tuple) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"

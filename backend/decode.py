@@ -1,0 +1,307 @@
+"""The public decode API: ``DecodeAttention`` (plan once per batch, run once per layer)
+and the one-shot ``decode`` / ``write_kv`` helpers.
+
+CUDA-graph contract: ``plan`` and ``run`` launch GPU work only (no ``.item()``, no
+``.cpu()``, no host sync, no allocation that depends on data), so both can be captured.
+``plan`` records the addresses of ``seq_lens`` and ``page_table``; under graphs pass
+the same persistent buffers each time and refill them in place. Host-side checks that
+need data (lengths against the page table, page indices against the cache) run only
+when the lengths are already on the host (``seq_lens_cpu=``) or in debug mode
+(``debug=True`` or ``EVENKV_DEBUG=1``), which syncs. Without them, lengths are clamped
+to the page table on the GPU, so no kernel ever reads past a page-table row.
+"""
+
+import math
+import os
+
+import torch
+
+from evenkv.kernels import decode_launch as launch
+
+from .arch import decode_config, is_interpreter, num_sms, resolve_arch
+from .checks import INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
+from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity, plan_fa3_units)
+
+POLICIES = ("balanced", "fa3", "none")
+PAGE_SIZES = (1, 8, 16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+# Under the interpreter there are no SMs: a small fake count makes the schedules cut
+# requests (and so exercise the merge) on tiny test batches.
+INTERPRETER_SMS = 2
+
+
+def debug_enabled(debug: bool | None) -> bool:
+    return debug if debug is not None else os.environ.get("EVENKV_DEBUG", "0") not in ("", "0")
+
+
+class DecodeAttention:
+    """Paged GQA decode attention (q_len 1) with a load-balanced persistent schedule.
+
+    Args:
+        num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv; G = Hq / Hkv).
+        head_dim: D, one of 64, 80, 96, 128, 256.
+        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks).
+        dtype: torch.float16 or torch.bfloat16 (q, caches and output).
+        device: where every workspace lives.
+        max_batch_size: largest B that ``plan`` accepts; sizes the workspaces.
+        max_pages_per_request: largest page-table width ``plan`` accepts.
+        policy: ``"balanced"`` (default), ``"fa3"`` or ``"none"`` (evenkv.schedule).
+        sm_scale: softmax scale, default 1/sqrt(D).
+        arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
+        num_ctas: persistent grid size; default SM count x resident CTAs per SM.
+        debug: validate lengths and page indices on the host before each launch (syncs).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
+                 sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
+                 debug: bool | None = None):
+        check_positive_int("num_q_heads", num_q_heads)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+        check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
+        check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
+        check_positive_int("max_batch_size", max_batch_size)
+        check_positive_int("max_pages_per_request", max_pages_per_request)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if num_ctas is not None:
+            check_positive_int("num_ctas", num_ctas)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group_size = num_q_heads // num_kv_heads
+        self.page_size, self.dtype, self.policy = page_size, dtype, policy
+        self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.arch = resolve_arch(arch, self.device)
+        self.config = decode_config(self.arch, head_dim)
+        self.debug = debug_enabled(debug)
+        on_gpu = self.device.type == "cuda" and not is_interpreter()
+        self.num_sms = num_sms(self.device.index) if on_gpu else INTERPRETER_SMS
+        self._plan: DecodePlan | None = None
+        self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        if num_ctas is None:
+            num_ctas = self.num_sms * (self._resident_ctas_per_sm() if on_gpu else 2)
+        self.num_ctas = num_ctas
+        self._schedule = self._allocate_schedule()
+        slots = self._partial_slots()
+        self._o_part = torch.empty(slots * self.group_size * head_dim, dtype=torch.float32, device=self.device)
+        self._lse_part = torch.empty(slots * self.group_size, dtype=torch.float32, device=self.device)
+
+    # -- workspaces ---------------------------------------------------------------
+
+    def _allocate_schedule(self):
+        i32 = dict(dtype=torch.int32, device=self.device)
+        b = self.max_batch_size
+        if self.policy == "balanced":
+            return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(self.num_ctas, **i32), torch.zeros(2, **i32),
+                                  self.num_ctas)
+        if self.policy == "fa3":
+            units = fa3_unit_capacity(b, self.num_sms)
+            # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
+            self._queue = torch.zeros(2, **i32)
+            return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
+                                torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32), self.num_ctas)
+        return None
+
+    def _partial_slots(self) -> int:
+        """Partial (O, LSE) slots: two per CTA for balanced (its first and last segment
+        may be cut), one per (split, head) unit for fa3, none for none."""
+        if self.policy == "balanced":
+            return 2 * self.num_ctas
+        if self.policy == "fa3":
+            return self._schedule.unit_req.shape[0] * self.num_kv_heads
+        return 0
+
+    def _resident_ctas_per_sm(self) -> int:
+        """Compile the policy's decode kernel on a one-token batch and read its occupancy."""
+        dev, hkv, d = self.device, self.num_kv_heads, self.head_dim
+        q = torch.zeros(1, self.num_q_heads, d, dtype=self.dtype, device=dev)
+        cache = torch.zeros(self.page_size, hkv, d, dtype=self.dtype, device=dev)
+        page_table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
+        if self.policy == "balanced":
+            cost_start, first_req, scalars = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(2, **i32)
+            launch.launch_plan_stream(seq_lens, seq_lens, cost_start, first_req, scalars, self.page_size, 1, hkv,
+                                      self.config.block_n, self.config.segment_overhead)
+            compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
+                                                   page_table, cost_start, first_req, scalars, 1.0, 1, self.page_size,
+                                                   self.config)
+        else:
+            zeros = torch.zeros(1, **i32)
+            compiled = launch.launch_decode_units(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
+                                                  page_table, zeros, zeros, seq_lens, seq_lens, seq_lens,
+                                                  torch.zeros(2, **i32), 1.0, 1, self.policy == "fa3",
+                                                  self.page_size, self.config)
+        return min(launch.resident_ctas_per_sm(compiled, dev), self.config.max_ctas_per_sm)
+
+    # -- plan -------------------------------------------------------------------
+
+    def plan(self, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
+             seq_lens_cpu: torch.Tensor | None = None) -> DecodePlan:
+        """Plan one batch; the plan stays in effect for every ``run`` until the next ``plan``.
+
+        seq_lens: [B] int32/int64 on this device, KV tokens of each request (0 = padding row).
+        page_table: [B, max_pages] int32 on this device, any row stride; page ids of each request.
+        seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
+            the page table with no sync.
+        """
+        check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=self.device)
+        batch = seq_lens.shape[0]
+        check_tensor("page_table", page_table, shape=(batch, None), dtypes=(torch.int32,), device=self.device)
+        if batch > self.max_batch_size:
+            raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={self.max_batch_size}")
+        if page_table.shape[1] > self.max_pages_per_request:
+            raise ValueError(f"page_table: expected at most max_pages_per_request={self.max_pages_per_request} "
+                             f"columns, got {page_table.shape[1]}")
+        if batch > 0 and page_table.stride(1) != 1:
+            raise ValueError(f"page_table: expected unit stride in the last dim, got strides {page_table.stride()}")
+        capacity = page_table.shape[1] * self.page_size
+        if seq_lens_cpu is not None:
+            self._check_lengths(seq_lens_cpu, capacity)
+        elif self.debug:
+            self._check_lengths(seq_lens.cpu(), capacity)
+        plan_seq_lens = self._plan_seq_lens[:batch]
+        if batch > 0 and self.policy == "balanced":
+            s = self._schedule
+            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.req_cost_start, s.cta_first_req, s.plan_scalars,
+                                      capacity, s.num_ctas, self.num_kv_heads, self.config.block_n,
+                                      self.config.segment_overhead)
+        elif batch > 0:
+            plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
+            if self.policy == "fa3":
+                plan_fa3_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
+                               num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
+        self._plan = DecodePlan(self.policy, batch, plan_seq_lens, page_table, self._schedule)
+        return self._plan
+
+    @staticmethod
+    def _check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
+        if seq_lens_cpu.numel() == 0:
+            return
+        lo, hi = int(seq_lens_cpu.min()), int(seq_lens_cpu.max())
+        if lo < 0:
+            raise ValueError(f"seq_lens: expected lengths >= 0, got {lo}")
+        if hi > capacity:
+            raise ValueError(f"seq_lens: expected lengths <= page_table capacity {capacity} "
+                             f"(max_pages x page_size), got {hi}")
+
+    # -- run --------------------------------------------------------------------
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention for the planned batch.
+
+        q: [B, Hq, D] (dtype of this object; unit stride in D).
+        k_cache, v_cache: [num_slots, Hkv, D], any strides but unit stride in D;
+            slot = page * page_size + offset.
+        out: optional [B, Hq, D] output (dtype of q).
+        Returns out: [B, Hq, D]; rows of requests with seq_len 0 are zeros.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("DecodeAttention.run: call plan(seq_lens, page_table) first")
+        b, hq, hkv, d = plan.batch_size, self.num_q_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.dtype,), device=self.device,
+                     last_dim_contiguous=True)
+        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.dtype,), device=self.device,
+                     last_dim_contiguous=True)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            check_tensor("out", out, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+        if b == 0:
+            return out
+        if self.debug:
+            self._check_pages(plan, k_cache.shape[0])
+        scale = self.sm_scale * LOG2E
+        s = plan.schedule
+        if self.policy == "balanced":
+            launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
+                                        plan.page_table, s.req_cost_start, s.cta_first_req, s.plan_scalars, scale,
+                                        s.num_ctas, self.page_size, self.config)
+            launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
+                                       s.plan_scalars, hkv, self.config)
+        elif self.policy == "fa3":
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
+                                       plan.page_table, s.unit_req, s.unit_split, s.req_splits,
+                                       s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,
+                                       self.page_size, self.config)
+            launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base, hkv,
+                                      self.config)
+        else:
+            # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
+                                       plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
+                                       plan.seq_lens, plan.seq_lens, scale, b * hkv, False, self.page_size,
+                                       self.config)
+        return out
+
+    def _check_pages(self, plan: DecodePlan, num_slots: int) -> None:
+        """Debug: every page a request reads must lie inside the cache (syncs)."""
+        num_pages = num_slots // self.page_size
+        used = torch.arange(plan.page_table.shape[1], device=self.device)[None, :] < \
+            ((plan.seq_lens + self.page_size - 1) // self.page_size)[:, None]
+        pages = plan.page_table[used]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            bad = pages[(pages < 0) | (pages >= num_pages)][0].item()
+            raise ValueError(f"page_table: expected page ids in [0, {num_pages}) for a cache of {num_slots} slots "
+                             f"with page_size {self.page_size}, got {bad}")
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+           page_table: torch.Tensor, page_size: int, *, policy: str = "balanced", sm_scale: float | None = None,
+           out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
+
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D]; seq_lens [B] int; page_table
+    [B, max_pages] int32. Returns [B, Hq, D]. Serving code should keep one
+    DecodeAttention and reuse it (this allocates workspaces and compiles on first use).
+    """
+    check_tensor("q", q, shape=(None, None, None))
+    check_tensor("k_cache", k_cache, shape=(None, None, None))
+    check_tensor("page_table", page_table, shape=(None, None))
+    attn = DecodeAttention(q.shape[1], k_cache.shape[1], q.shape[2], page_size, q.dtype, q.device,
+                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale, **kwargs)
+    attn.plan(seq_lens, page_table)
+    return attn.run(q, k_cache, v_cache, out)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new tokens into the paged cache, in place.
+
+    k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D); k_new, v_new: [N, Hkv, D]
+    (any float dtype, cast to the cache's); slot_mapping: [N] int32/int64, slot of each
+    token, negative = skip (padding). Slots are not range-checked on the GPU; with
+    EVENKV_DEBUG=1 they are checked on the host first.
+    """
+    check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
+    dev, (num_slots, hkv, d) = k_cache.device, k_cache.shape
+    check_tensor("v_cache", v_cache, shape=(num_slots, hkv, d), dtypes=(k_cache.dtype,), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtypes=INDEX_DTYPES, device=dev)
+    n = slot_mapping.shape[0]
+    check_tensor("k_new", k_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("v_new", v_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
+                 last_dim_contiguous=True)
+    if n == 0:
+        return
+    if debug_enabled(None):
+        hi = int(slot_mapping.max())
+        if hi >= num_slots:
+            raise ValueError(f"slot_mapping: expected slots < num_slots={num_slots}, got {hi}")
+    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping)
+
+
+__all__ = ["DecodeAttention", "decode", "write_kv", "POLICIES"]

@@ -1,0 +1,115 @@
+"""Thin launchers for the decode, merge, plan and KV-write kernels.
+
+Each launcher sizes the grid, passes strides and compile-time constants, and
+launches; it does not validate (``evenkv.DecodeAttention`` and ``evenkv.write_kv``
+do) and it allocates nothing.
+"""
+
+import torch
+import triton
+
+from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kernel, merge_units_kernel
+from .kv_write import kv_write_kernel
+from .plan import plan_stream_kernel
+
+# The prepare kernel answers this many CTAs per program and scans the batch in
+# chunks of PLAN_BLOCK_B requests (a [64, 256] compare tile per step).
+PLAN_BLOCK_C = 64
+PLAN_BLOCK_B = 256
+
+
+def group_rows(group_size: int) -> int:
+    """Rows of the packed-GQA tile: G padded to a power of two and to the 16-row MMA minimum."""
+    return max(16, triton.next_power_of_2(group_size))
+
+
+def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_PAD=group_rows(group_size),
+                HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, cta_first_req, plan_scalars,
+                       capacity: int, num_ctas: int, num_kv_heads: int, block_n: int, segment_overhead: int):
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``)."""
+    grid = (triton.cdiv(num_ctas, PLAN_BLOCK_C),)
+    plan_stream_kernel[grid](
+        seq_lens, plan_seq_lens, req_cost_start, cta_first_req, plan_scalars,
+        seq_lens.shape[0], capacity, num_ctas,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, SEGMENT_OVERHEAD=segment_overhead,
+        BLOCK_B=PLAN_BLOCK_B, BLOCK_C=PLAN_BLOCK_C, num_warps=4)
+
+
+def _cache_strides(q, k_cache, v_cache, out, page_table):
+    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), page_table.stride(0))
+
+
+def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+                         req_cost_start, cta_first_req, plan_scalars, sm_scale_log2: float,
+                         num_ctas: int, page_size: int, config):
+    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``)."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    return decode_stream_kernel[(num_ctas,)](
+        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table, req_cost_start, cta_first_req,
+        plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
+        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps)
+
+
+def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, num_kv_heads: int, config):
+    """One program per (request, KV head) of ``out [B, Hq, D]``."""
+    batch, num_q_heads, head_dim = out.shape
+    merge_stream_kernel[(batch * num_kv_heads,)](
+        o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, out.stride(0), out.stride(1),
+        **_shape_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.merge_num_warps)
+
+
+def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+                        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
+                        sm_scale_log2: float, grid: int, persistent: bool, page_size: int, config):
+    """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    return decode_units_kernel[(grid,)](
+        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
+        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+        PERSISTENT=persistent, num_warps=config.num_warps)
+
+
+def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, config):
+    batch, num_q_heads, head_dim = out.shape
+    merge_units_kernel[(batch * num_kv_heads,)](
+        o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
+        **_shape_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        num_warps=config.merge_num_warps)
+
+
+def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip)."""
+    num_tokens, num_kv_heads, head_dim = k_new.shape
+    kv_write_kernel[(num_tokens,)](
+        k_new, v_new, k_cache, v_cache, slot_mapping,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+
+
+def resident_ctas_per_sm(compiled, device: torch.device) -> int:
+    """CTAs of a compiled kernel that fit on one SM at once, from its registers and shared memory.
+
+    Registers are allocated per warp in units of 256; the hardware reserves 1 KiB of
+    shared memory per CTA on SM80 and later.
+    """
+    props = torch.cuda.get_device_properties(device)
+    num_warps = compiled.metadata.num_warps
+    regs_per_warp = triton.cdiv(max(compiled.n_regs, 1) * 32, 256) * 256
+    by_regs = (props.regs_per_multiprocessor // regs_per_warp) // num_warps
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    smem_per_sm = props.shared_memory_per_multiprocessor
+    by_smem = smem_per_sm // (compiled.metadata.shared + 1024)
+    return max(1, min(by_regs, by_threads, by_smem, 32))

@@ -1,0 +1,103 @@
+"""numpy oracle of evenkv's schedules, written independently of the GPU planners,
+plus a simulator of what each CTA / unit of the decode kernels reads and writes.
+
+The GPU plan must equal ``stream_plan`` / ``fa3_plan`` exactly; the simulator gives
+the properties the hypothesis tests check.
+"""
+
+import numpy as np
+
+FA3_MAX_SPLITS = 128
+
+
+def cdiv(a, b):
+    return -(-np.asarray(a, dtype=np.int64) // b)
+
+
+def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
+    """-> dict(seq_lens, req_cost_start [B+1], cta_first_req [C], piece, total)."""
+    lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
+    tiles = cdiv(lens, block_n)
+    cost = np.where(tiles > 0, (tiles + overhead) * num_kv_heads, 0)
+    end = np.cumsum(cost)
+    total = int(end[-1]) if len(end) else 0
+    piece = max(-(-total // num_ctas), 1)
+    starts = np.arange(num_ctas, dtype=np.int64) * piece
+    first = np.array([int(np.sum(end <= s)) for s in starts], dtype=np.int64)
+    return dict(seq_lens=lens, req_cost_start=np.concatenate([end - cost, [total]]), cta_first_req=first,
+                piece=piece, total=total)
+
+
+def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
+    """-> dict(req_splits, req_tiles_per_split, req_split_base, unit_req, unit_split, num_units)."""
+    lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
+    tiles = cdiv(lens, block_n)
+    total = int(tiles.sum())
+    blocks_per_sm = max(-(-(total * 11 * num_kv_heads) // (10 * num_sms)), 1)
+    splits = np.clip(cdiv(tiles, blocks_per_sm), 1, FA3_MAX_SPLITS)
+    per_split = np.where(tiles > 0, cdiv(tiles, splits), 1)
+    splits = np.where(tiles > 0, cdiv(tiles, per_split), 1)
+    order = np.argsort(-tiles, kind="stable")
+    base = np.zeros(len(lens), dtype=np.int64)
+    unit_req, unit_split = [], []
+    nxt = 0
+    for b in order:
+        base[b] = nxt
+        for k in range(splits[b]):
+            unit_req.append(b)
+            unit_split.append(k)
+        nxt += splits[b]
+    return dict(req_splits=splits, req_tiles_per_split=per_split, req_split_base=base,
+                unit_req=np.array(unit_req, dtype=np.int64), unit_split=np.array(unit_split, dtype=np.int64),
+                num_units=nxt * num_kv_heads)
+
+
+def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
+    """Walk each CTA exactly as decode_stream_kernel does.
+
+    Returns (pieces, writes): pieces[c] = list of (b, h, tile_begin, tile_end);
+    writes = list of (kind, b, h, slot) with kind 'out' or 'partial'.
+    """
+    lens, start, first_req = plan["seq_lens"], plan["req_cost_start"], plan["cta_first_req"]
+    piece, total = plan["piece"], plan["total"]
+    pieces, writes = [], []
+    for c in range(num_ctas):
+        pos, end, b = c * piece, min((c + 1) * piece, total), int(first_req[c])
+        mine = []
+        while pos < end:
+            n = int(cdiv(lens[b], block_n))
+            seg_cost = n + overhead if n > 0 else 0
+            if seg_cost == 0:
+                b += 1
+                continue
+            h = (pos - int(start[b])) // seg_cost
+            seg_lo = int(start[b]) + h * seg_cost
+            t0, t1 = max(pos - seg_lo - overhead, 0), min(end - seg_lo - overhead, n)
+            if t1 > t0:
+                mine.append((b, h, t0, t1))
+                if t0 == 0 and t1 == n:
+                    writes.append(("out", b, h, None))
+                else:
+                    first_cta = (seg_lo + overhead) // piece
+                    writes.append(("partial", b, h, 2 * c + int(c == first_cta)))
+            pos = seg_lo + seg_cost
+            if h == num_kv_heads - 1:
+                b += 1
+        pieces.append(mine)
+    return pieces, writes
+
+
+def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
+    """Slots merge_stream_kernel reads for each cut segment: {(b, h): [slots]}."""
+    reads = {}
+    piece = plan["piece"]
+    for b, n_tok in enumerate(plan["seq_lens"]):
+        n = int(cdiv(n_tok, block_n))
+        if n == 0:
+            continue
+        for h in range(num_kv_heads):
+            seg_lo = int(plan["req_cost_start"][b]) + h * (n + overhead)
+            first, last = (seg_lo + overhead) // piece, (seg_lo + overhead + n - 1) // piece
+            if last > first:
+                reads[(b, h)] = [2 * c + int(c == first) for c in range(first, last + 1)]
+    return reads

@@ -1,0 +1,122 @@
+"""CPU-lane decode tests: every policy x page size x G x head_dim x dtype against the
+fp32 reference (tolerance rule in helpers.py), on batches with uniform, one-dominant
+and empty-ish requests, plus plan reuse, arch tables and edge cases."""
+
+import itertools
+
+import pytest
+import torch
+
+import evenkv
+from helpers import assert_close_to_reference, lane_dtype, make_paged_batch
+
+BATCHES = {
+    "uniform": [40, 40, 40, 40],
+    "one_dominant": [300, 3, 1, 7, 2],
+    "empty_ish": [0, 1, 0, 17, 0],
+}
+GROUPS = {1: (2, 2), 4: (8, 2), 7: (7, 1), 8: (16, 2)}  # G -> (Hq, Hkv)
+
+
+def _cases():
+    # Full product of policy x page x G x head_dim; dtype and batch kind rotate so every
+    # value of each meets every policy and page size (the interpreter is slow).
+    kinds, dtypes = list(BATCHES), [torch.float16, torch.bfloat16]
+    for i, (policy, page, g, d) in enumerate(itertools.product(evenkv.POLICIES, (1, 16), GROUPS, (64, 128))):
+        yield pytest.param(policy, page, g, d, dtypes[i % 2], kinds[i % 3],
+                           id=f"{policy}-p{page}-g{g}-d{d}-{str(dtypes[i % 2])[6:]}-{kinds[i % 3]}")
+
+
+@pytest.mark.parametrize("policy,page_size,group,head_dim,dtype,kind", _cases())
+def test_decode_matches_reference(device, policy, page_size, group, head_dim, dtype, kind):
+    hq, hkv = GROUPS[group]
+    lens = BATCHES[kind]
+    dtype = lane_dtype(dtype)
+    q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, head_dim, page_size, dtype, device, seed=len(lens))
+    attn = evenkv.DecodeAttention(hq, hkv, head_dim, page_size, dtype, device, 8, pt.shape[1], policy, num_ctas=5)
+    attn.plan(seq_lens, pt)
+    out = attn.run(q, kc, vc)
+    assert_close_to_reference(out, q, kc, vc, seq_lens, pt, page_size)
+    assert torch.all(out[seq_lens == 0] == 0)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_both_arch_tables(device, arch, monkeypatch):
+    monkeypatch.setenv("EVENKV_ARCH", arch)
+    q, kc, vc, seq_lens, pt = make_paged_batch([130, 2, 64], 8, 2, 64, 16, torch.float16, device)
+    attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], num_ctas=3)
+    assert attn.arch == arch and attn.config.name.startswith(arch)
+    attn.plan(seq_lens, pt)
+    assert_close_to_reference(attn.run(q, kc, vc), q, kc, vc, seq_lens, pt, 16)
+
+
+def test_plan_reuse_and_replan(device):
+    """One plan serves several runs (layers); a new plan with other lengths replaces it."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([90, 5, 33], 8, 2, 64, 16, torch.float16, device)
+    attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], num_ctas=4)
+    attn.plan(seq_lens, pt)
+    first = attn.run(q, kc, vc)
+    assert torch.equal(attn.run(q, kc, vc), first)
+    shorter = torch.tensor([3, 0, 20], dtype=torch.int32, device=device)
+    attn.plan(shorter, pt)
+    assert_close_to_reference(attn.run(q, kc, vc), q, kc, vc, shorter, pt, 16)
+
+
+def test_many_splits_and_strided_inputs(device):
+    """One long request cut into many pieces; q, out and the caches non-contiguous."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([700, 1], 8, 2, 64, 1, torch.float16, device)
+    big = torch.zeros(kc.shape[0], 4, 64, dtype=kc.dtype, device=device)
+    big[:, 1:3] = kc  # cache view with a head stride of 64 and a slot stride of 256
+    kc_strided = big[:, 1:3]
+    q_strided = torch.zeros(2, 16, 64, dtype=q.dtype, device=device)[:, ::2]
+    q_strided.copy_(q)
+    out = torch.empty(2, 8, 128, dtype=q.dtype, device=device)[..., :64]
+    attn = evenkv.DecodeAttention(8, 2, 64, 1, torch.float16, device, 2, pt.shape[1], num_ctas=11)
+    attn.plan(seq_lens, pt)
+    res = attn.run(q_strided, kc_strided, vc, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 1)
+
+
+def test_empty_batch(device):
+    attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4)
+    attn.plan(torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, 4, dtype=torch.int32, device=device))
+    q = torch.zeros(0, 8, 64, dtype=torch.float16, device=device)
+    kc = torch.zeros(16, 2, 64, dtype=torch.float16, device=device)
+    assert evenkv.DecodeAttention.run(attn, q, kc, kc).shape == (0, 8, 64)
+
+
+def test_all_padding_rows(device):
+    """A batch of only seq_len-0 rows (a padded CUDA-graph batch) writes zeros."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([0, 0, 0], 8, 2, 64, 16, torch.float16, device)
+    for policy in evenkv.POLICIES:
+        attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], policy, num_ctas=3)
+        attn.plan(seq_lens, pt)
+        out = torch.full_like(q, float("nan"))
+        attn.run(q, kc, vc, out=out)
+        assert torch.all(out == 0), policy
+
+
+def test_functional_decode_and_head_dim_96(device):
+    q, kc, vc, seq_lens, pt = make_paged_batch([50, 9], 4, 4, 96, 16, torch.float16, device)
+    out = evenkv.decode(q, kc, vc, seq_lens, pt, 16, sm_scale=0.05, num_ctas=3)
+    assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16, sm_scale=0.05)
+
+
+def test_nan_in_unused_slots_does_not_leak(device):
+    """NaN in the unused tail of a request's last page and in foreign pages never reaches the output."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device, extra_pages=2)
+    used = set()
+    for b, n in enumerate(seq_lens.tolist()):
+        for t in range(n):
+            used.add(int(pt[b, t // 16]) * 16 + t % 16)
+    unused = torch.tensor(sorted(set(range(kc.shape[0])) - used), device=device)
+    kc_nan, vc_nan = kc.clone(), vc.clone()
+    kc_nan[unused] = float("nan")
+    vc_nan[unused] = float("nan")
+    for policy in evenkv.POLICIES:
+        attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 2, pt.shape[1], policy, num_ctas=4)
+        attn.plan(seq_lens, pt)
+        out = attn.run(q, kc_nan, vc_nan)
+        assert not torch.isnan(out).any(), policy
+        assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)

@@ -1,0 +1,143 @@
+"""Planner tests: GPU plans equal the numpy oracle exactly, and the schedules' invariants."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import evenkv
+from planner_oracle import fa3_plan, simulate_stream, stream_merge_reads, stream_plan
+
+BLOCK_N = evenkv.decode_config("sm90", 128).block_n
+
+
+def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64):
+    return evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, page_size, torch.float16, device,
+                                  max_batch, max_pages, policy, num_ctas=num_ctas)
+
+
+def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16):
+    attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages)
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+    page_table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=device)
+    plan = attn.plan(seq_lens, page_table)
+    cfg = attn.config
+    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    s = plan.schedule
+    np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
+    np.testing.assert_array_equal(s.req_cost_start[:len(lens) + 1].cpu().numpy(), want["req_cost_start"])
+    np.testing.assert_array_equal(s.cta_first_req.cpu().numpy(), want["cta_first_req"])
+    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"]]
+    return want, cfg
+
+
+def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
+    pieces, writes = simulate_stream(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    # Every tile of every non-empty segment is covered exactly once.
+    covered = {}
+    for mine in pieces:
+        for b, h, t0, t1 in mine:
+            for t in range(t0, t1):
+                covered[(b, h, t)] = covered.get((b, h, t), 0) + 1
+    expected = {(b, h, t) for b, n in enumerate(want["seq_lens"]) for h in range(num_kv_heads)
+                for t in range(-(-int(n) // cfg.block_n))}
+    assert set(covered) == expected and all(v == 1 for v in covered.values())
+    # Equal pieces: CTA c owns exactly `piece` cost units (tail CTAs fewer). Its tiles fill
+    # them except for the fixed overhead of each segment it touches (+1 for an overhead
+    # run cut by its start), so any two full CTAs differ by at most those overheads.
+    piece, ovh = want["piece"], cfg.segment_overhead
+    for c, mine in enumerate(pieces):
+        tiles = sum(t1 - t0 for _, _, t0, t1 in mine)
+        assert tiles <= piece
+        if (c + 1) * piece <= want["total"]:
+            assert tiles >= piece - ovh * (len(mine) + 1)
+    # The merge reads exactly the partial slots that were written, and nothing else.
+    written = {}
+    for kind, b, h, slot in writes:
+        if kind == "partial":
+            written.setdefault((b, h), []).append(slot)
+    reads = stream_merge_reads(want, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    assert {k: sorted(v) for k, v in written.items()} == {k: sorted(v) for k, v in reads.items()}
+    slots = [s for v in written.values() for s in v]
+    assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
+    # Segments written whole + segments merged = every non-empty segment, each once.
+    outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
+    assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
+    assert set(outs) | set(reads) == {(b, h) for b, n in enumerate(want["seq_lens"]) if n > 0
+                                      for h in range(num_kv_heads)}
+
+
+@pytest.mark.parametrize("lens,num_kv_heads,num_ctas", [
+    ([100, 0, 20], 1, 4),
+    ([1], 4, 7),
+    ([0, 0, 0], 2, 3),
+    ([5000] + [1] * 40, 4, 16),
+    ([64] * 33, 8, 132),
+    ([1024, 1024, 3, 0, 7], 2, 5),
+])
+def test_stream_plan_matches_oracle(device, lens, num_kv_heads, num_ctas):
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
+    _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+def test_stream_plan_worked_example():
+    """The worked example of evenkv.kernels.plan's docstring (Hkv 1, BLOCK_N 16, overhead 1, C 4)."""
+    want = stream_plan([100, 0, 20], 1024, 4, 1, 16, 1)
+    assert want["req_cost_start"].tolist() == [0, 8, 8, 11]
+    assert want["cta_first_req"].tolist() == [0, 0, 0, 2]
+    assert (want["piece"], want["total"]) == (3, 11)
+
+
+lengths = st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300), st.integers(1000, 1024)), min_size=1,
+                   max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 2, 4, 8]), num_ctas=st.integers(1, 300))
+def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas):
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
+    _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+def _check_fa3(device, lens, num_kv_heads):
+    attn = _attn(device, "fa3", num_kv_heads, max(len(lens), 1), 8)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    page_table = torch.zeros(len(lens), 64, dtype=torch.int32, device=device)
+    plan = attn.plan(seq_lens, page_table)
+    s = plan.schedule
+    want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
+    b = len(lens)
+    np.testing.assert_array_equal(s.req_splits[:b].cpu().numpy(), want["req_splits"])
+    np.testing.assert_array_equal(s.req_tiles_per_split[:b].cpu().numpy(), want["req_tiles_per_split"])
+    np.testing.assert_array_equal(s.req_split_base[:b].cpu().numpy(), want["req_split_base"])
+    n = len(want["unit_req"])
+    assert n <= s.unit_req.shape[0], "fa3 unit capacity bound violated"
+    np.testing.assert_array_equal(s.unit_req[:n].cpu().numpy(), want["unit_req"])
+    np.testing.assert_array_equal(s.unit_split[:n].cpu().numpy(), want["unit_split"])
+    assert s.num_units.item() == want["num_units"]
+    # Splits cover each request's tiles exactly, none empty.
+    for r, k in zip(want["unit_req"], want["unit_split"]):
+        tiles = -(-min(lens[r], 1024) // attn.config.block_n)
+        begin = k * want["req_tiles_per_split"][r]
+        assert tiles == 0 or begin < tiles
+
+
+def test_fa3_worked_example():
+    want = fa3_plan([10 * 64, 2 * 64, 0], 10**6, 4, 1, 64, 100)
+    assert want["req_splits"].tolist() == [3, 1, 1]
+    assert want["req_tiles_per_split"].tolist() == [4, 2, 1]
+    assert list(zip(want["unit_req"].tolist(), want["unit_split"].tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0)]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]))
+def test_fa3_plan_properties(device, lens, num_kv_heads):
+    _check_fa3(device, lens, num_kv_heads)
+
+
+def test_plan_clamps_lengths_to_page_table(device):
+    """A length beyond the page table is clamped on the GPU (no host check without debug):
+    the kernels never index past a page-table row."""
+    want, _ = _check_stream(device, [10**6, 5], 2, 4, max_pages=4, page_size=16)
+    assert want["seq_lens"].tolist() == [64, 5]
