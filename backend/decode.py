@@ -18,7 +18,7 @@ import torch
 
 from evenkv.kernels import decode_launch as launch
 
-from .arch import decode_config, is_interpreter, num_sms, resolve_arch
+from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
 from .checks import INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
 from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity, plan_fa3_units)
 
@@ -49,13 +49,14 @@ class DecodeAttention:
         sm_scale: softmax scale, default 1/sqrt(D).
         arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
         num_ctas: persistent grid size; default SM count x resident CTAs per SM.
+        config: a DecodeConfig replacing the arch table's (tuning and tests).
         debug: validate lengths and page indices on the host before each launch (syncs).
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
-                 debug: bool | None = None):
+                 config: DecodeConfig | None = None, debug: bool | None = None):
         check_positive_int("num_q_heads", num_q_heads)
         check_positive_int("num_kv_heads", num_kv_heads)
         if num_q_heads % num_kv_heads:
@@ -79,7 +80,7 @@ class DecodeAttention:
         self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.arch = resolve_arch(arch, self.device)
-        self.config = decode_config(self.arch, head_dim)
+        self.config = config if config is not None else decode_config(self.arch, head_dim)
         self.debug = debug_enabled(debug)
         on_gpu = self.device.type == "cuda" and not is_interpreter()
         self.num_sms = num_sms(self.device.index) if on_gpu else INTERPRETER_SMS

@@ -1,0 +1,123 @@
+"""Sweep DecodeConfig candidates on the GPU: the evidence behind evenkv.arch's tables.
+
+For each candidate config and policy, times decode (plan excluded) on the seed
+experiment's batches (Qwen3-30B-A3B attention, bf16) with a cold L2, and prints one
+CSV row per point with the fraction of the device-to-device copy bandwidth measured
+in the same process. Usage:
+
+    python benchmarks/tune_decode.py --out tune.csv [--tokens 262144] [--page 16]
+"""
+
+import argparse
+import csv
+import itertools
+import sys
+
+import torch
+
+import evenkv
+from evenkv.arch import DecodeConfig
+
+HQ, HKV, D = 32, 4, 128
+
+
+def lengths(total, batch, dist):
+    share = {"Uniform": 0.0, "Skewed40": 0.4, "Skewed60": 0.6, "Skewed80": 0.8, "2x40": 0.4}[dist]
+    heads = 2 if dist == "2x40" else (1 if share else 0)
+    heads = min(heads, batch)
+    big = [int(total * share)] * heads if share else []
+    rest, n = total - sum(big), batch - len(big)
+    if n == 0:
+        big[-1] += rest
+        return big
+    return big + [rest // n + (1 if i < rest % n else 0) for i in range(n)]
+
+
+def copy_bandwidth(nbytes=2**30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def time_us(fn, flush, reps=30):
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=262144)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--batches", default="1,8,64,512,2048")
+    ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
+    ap.add_argument("--policies", default="balanced")
+    ap.add_argument("--configs", default="grid", help="'grid' or 'tables'")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s", file=sys.stderr)
+    total, page = args.tokens, args.page
+    pages_needed = total // page + 4096
+    k = torch.randn(pages_needed * page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if args.configs == "tables":
+        configs = [evenkv.decode_config(a, D) for a in ("sm80", "sm90")]
+    else:
+        configs = [DecodeConfig(f"bn{bn}-w{w}-s{s}-c{c}-o{o}", bn, w, s, c, o)
+                   for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (1,))]
+    rows = []
+    kv_bytes = 2 * total * HKV * D * 2
+    for batch in map(int, args.batches.split(",")):
+        for dist in args.dists.split(","):
+            lens = lengths(total, batch, dist)
+            pages = [(n + page - 1) // page for n in lens]
+            perm = torch.randperm(pages_needed, device="cuda").int()
+            pt = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
+            off = 0
+            for b, n in enumerate(pages):
+                pt[b, :n] = perm[off:off + n]
+                off += n
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+            for cfg, policy in itertools.product(configs, args.policies.split(",")):
+                try:
+                    attn = evenkv.DecodeAttention(HQ, HKV, D, page, q.dtype, "cuda", batch, pt.shape[1], policy,
+                                                  config=cfg)
+                    attn.plan(seq_lens, pt)
+                    out = attn.run(q, k, v)
+                    us = time_us(lambda: attn.run(q, k, v, out=out), flush)
+                except Exception as exc:  # a config that fails to compile (shared memory) is reported
+                    print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+                    continue
+                frac = kv_bytes / (us * 1e-6) / copy_bw
+                rows.append(dict(config=cfg.name, policy=policy, ctas=attn.num_ctas, T=total, B=batch, dist=dist,
+                                 page=page, us=round(us, 2), frac_copy=round(frac, 4)))
+                print(f"{cfg.name:24s} {policy:8s} C={attn.num_ctas:4d} B={batch:5d} {dist:9s} "
+                      f"{us:9.1f} us {100 * frac:6.1f} %", flush=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

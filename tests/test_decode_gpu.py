@@ -1,0 +1,129 @@
+"""GPU lane (``pytest -m gpu``): realistic shapes, every policy and both arch tables,
+page sizes 1 and 16, CUDA-graph capture of plan + run with replays on changed lengths.
+Tolerance rule as in the CPU lane (helpers.assert_close_to_reference), checked on a
+sample of requests because the fp32 reference loops in Python."""
+
+import pytest
+import torch
+
+import evenkv
+from evenkv.kernels.reference import decode_reference
+from helpers import TOLERANCE_FLOOR, lowp_decode
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
+
+HQ, HKV, D = 32, 4, 128
+
+
+def skewed_lens(total, batch, share, gen):
+    """`batch` lengths summing to `total`; request 0 holds `share` of it, the rest split evenly (>= 1 each)."""
+    if batch == 1:
+        return [total]
+    long = int(total * share) if share else total // batch
+    rest = total - long
+    lens = [long] + [rest // (batch - 1)] * (batch - 1)
+    for i in range(rest % (batch - 1)):
+        lens[1 + i] += 1
+    perm = torch.randperm(batch - 1, generator=gen).tolist()
+    return [lens[0]] + [lens[1 + p] for p in perm]
+
+
+def build(lens, page_size, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    pages = [(n + page_size - 1) // page_size for n in lens]
+    max_pages = max(pages) + 1
+    num_pages = sum(pages) + 8
+    perm = torch.randperm(num_pages, generator=gen).to(dev).int()
+    page_table = torch.full((len(lens), max_pages), 2**30, dtype=torch.int32, device=dev)  # garbage tail
+    off = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = perm[off:off + n]
+        off += n
+    k = torch.randn(num_pages * page_size, HKV, D, device=dev, dtype=dtype)
+    v = torch.randn(num_pages * page_size, HKV, D, device=dev, dtype=dtype)
+    q = torch.randn(len(lens), HQ, D, device=dev, dtype=dtype)
+    return q, k, v, torch.tensor(lens, dtype=torch.int32, device=dev), page_table
+
+
+def check_sample(out, q, k, v, seq_lens, pt, page_size, rows):
+    rows = torch.tensor(sorted(set(rows)), device=q.device)
+    sub = (q[rows], k, v, seq_lens[rows], pt[rows], page_size)
+    ref = decode_reference(*sub)
+    base = (lowp_decode(*sub).float() - ref).abs().max().item()
+    err = (out[rows].float() - ref).abs().max().item()
+    bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
+    assert err <= bound, f"error {err:.3e} > {bound:.3e} (torch lowp {base:.3e})"
+
+
+CASES = [  # (total tokens, batch, long share)
+    (262144, 1, 0.0), (262144, 8, 0.8), (262144, 64, 0.4), (262144, 512, 0.8), (262144, 2048, 0.0),
+    (1048576, 2048, 0.6), (1048576, 3, 0.0),
+]
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_realistic_shapes(policy, arch, page_size):
+    gen = torch.Generator().manual_seed(1)
+    for total, batch, share in CASES:
+        lens = skewed_lens(total, batch, share, gen)
+        q, k, v, seq_lens, pt = build(lens, page_size)
+        attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", 2048, pt.shape[1], policy, arch=arch)
+        attn.plan(seq_lens, pt)
+        out = attn.run(q, k, v)
+        check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+def test_cuda_graph_capture_and_replay(policy):
+    """Capture plan + run once; replay with other lengths of the same batch size (incl.
+    padding rows of length 0) and compare every replay with an eager run."""
+    batch, page_size = 64, 16
+    gen = torch.Generator().manual_seed(2)
+    max_len = 4096
+    q, k, v, _, pt = build([max_len] * batch, page_size, seed=3)
+    seq_lens = torch.full((batch,), max_len, dtype=torch.int32, device="cuda")
+    attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
+    eager = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
+    out = torch.empty_like(q)
+    attn.plan(seq_lens, pt)
+    attn.run(q, k, v, out=out)  # warm up (compiles) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.plan(seq_lens, pt)
+        attn.run(q, k, v, out=out)
+    for step in range(20):
+        lens = torch.randint(0, max_len + 1, (batch,), generator=gen)
+        if step % 3 == 0:
+            lens[torch.randperm(batch, generator=gen)[:batch // 4]] = 0  # padded rows
+        if step % 4 == 1:
+            lens[:] = 1
+            lens[0] = max_len  # one dominant request
+        seq_lens.copy_(lens)
+        graph.replay()
+        eager.plan(seq_lens, pt)
+        want = eager.run(q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {step} differs from the eager run"
+        if step % 5 == 0:
+            check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch - 1])
+
+
+def test_large_cache_offsets_pass_int32():
+    """Cache slots beyond 2**31 elements: slot * stride must be computed in int64."""
+    hkv, d, page_size = 8, 128, 16
+    slots = (2**31) // (hkv * d) + 4096  # ~2.1M slots, 4.3 GB per bf16 cache
+    k = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    num_pages = slots // page_size
+    lens = [3000, 17]
+    pt = torch.stack([torch.arange(num_pages - 200, num_pages - 200 + 190, dtype=torch.int32, device="cuda"),
+                      torch.arange(0, 190, dtype=torch.int32, device="cuda")])
+    q = torch.randn(2, 32, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = evenkv.decode(q, k, v, seq_lens, pt, page_size)
+    check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1])
