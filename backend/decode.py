@@ -100,8 +100,8 @@ class DecodeAttention:
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self.max_batch_size
         if self.policy == "balanced":
-            return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(self.num_ctas, **i32), torch.zeros(2, **i32),
-                                  self.num_ctas)
+            return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(b, **i32), torch.zeros(self.num_ctas, **i32),
+                                  torch.zeros(2, **i32), self.num_ctas)
         if self.policy == "fa3":
             units = fa3_unit_capacity(b, self.num_sms)
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
@@ -129,12 +129,13 @@ class DecodeAttention:
         i32 = dict(dtype=torch.int32, device=dev)
         scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
         if self.policy == "balanced":
-            cost_start, first_req, scalars = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(2, **i32)
-            launch.launch_plan_stream(seq_lens, seq_lens, cost_start, first_req, scalars, self.page_size, 1, hkv,
-                                      self.config.block_n, self.config.segment_overhead)
+            cost_start, active, first_req = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
+            scalars = torch.zeros(2, **i32)
+            launch.launch_plan_stream(seq_lens, seq_lens, cost_start, active, first_req, scalars, self.page_size, 1,
+                                      hkv, self.config.block_n, self.config.segment_overhead)
             compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
-                                                   page_table, cost_start, first_req, scalars, 1.0, 1, self.page_size,
-                                                   self.config)
+                                                   page_table, cost_start, active, first_req, scalars, 1.0, 1,
+                                                   self.page_size, self.config)
         else:
             zeros = torch.zeros(1, **i32)
             compiled = launch.launch_decode_units(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
@@ -172,7 +173,8 @@ class DecodeAttention:
         plan_seq_lens = self._plan_seq_lens[:batch]
         if batch > 0 and self.policy == "balanced":
             s = self._schedule
-            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.req_cost_start, s.cta_first_req, s.plan_scalars,
+            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.req_cost_start, s.active_req, s.cta_first_req,
+                                      s.plan_scalars,
                                       capacity, s.num_ctas, self.num_kv_heads, self.config.block_n,
                                       self.config.segment_overhead)
         elif batch > 0:
@@ -228,7 +230,8 @@ class DecodeAttention:
         s = plan.schedule
         if self.policy == "balanced":
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
-                                        plan.page_table, s.req_cost_start, s.cta_first_req, s.plan_scalars, scale,
+                                        plan.page_table, s.req_cost_start, s.active_req, s.cta_first_req,
+                                        s.plan_scalars, scale,
                                         s.num_ctas, self.page_size, self.config)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
                                        s.plan_scalars, hkv, self.config)

@@ -105,7 +105,7 @@ def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l,
 @triton.jit
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-    seq_lens_ptr, page_table_ptr, req_cost_start_ptr, cta_first_req_ptr, plan_scalars_ptr,
+    seq_lens_ptr, page_table_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr, plan_scalars_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_ob, stride_oh, stride_pt, sm_scale_log2,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -115,73 +115,117 @@ def decode_stream_kernel(
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
 
     Segment (b, h) spans cost [req_cost_start[b] + h*seg_cost, ... + seg_cost) with
-    seg_cost = n_tiles + SEGMENT_OVERHEAD (0 for an empty request); its tile t sits at
-    cost seg_lo + SEGMENT_OVERHEAD + t. A segment this CTA covers whole is written to
-    ``out``; a cut one goes to partial slot 2*c + (c is the segment's first CTA), which
-    ``merge_stream_kernel`` finds again from the same arithmetic.
+    seg_cost = n_tiles + SEGMENT_OVERHEAD: first its overhead units, then tile t at unit
+    SEGMENT_OVERHEAD + t. The CTA runs ONE flat loop over its cost units, so the
+    software pipeline keeps loads in flight across segment boundaries (with many short
+    requests a per-segment loop would stall on every segment's first tile). Overhead
+    units load nothing; at a unit where a segment ends (or the range does) the piece is
+    stored: whole segments to ``out``, cut ones to partial slot 2*c + (c is the
+    segment's first CTA), which ``merge_stream_kernel`` finds from the same arithmetic.
+    Requests are walked through ``active_req`` (the non-empty ones, in order).
     """
     cta = tl.program_id(0)
     piece = tl.load(plan_scalars_ptr)
     total = tl.load(plan_scalars_ptr + 1)
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
-    b = tl.load(cta_first_req_ptr + cta)
-    while pos < end:
-        seq_len = tl.load(seq_lens_ptr + b)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
-        seg_cost = tl.where(n_tiles > 0, n_tiles + SEGMENT_OVERHEAD, 0)
-        if seg_cost > 0:
-            req_lo = tl.load(req_cost_start_ptr + b)
-            h = (pos - req_lo) // seg_cost
-            seg_lo = req_lo + h * seg_cost
-            tile_begin = tl.maximum(pos - seg_lo - SEGMENT_OVERHEAD, 0)
-            tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
-            if tile_end > tile_begin:
-                q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
-                acc, m, l = _attend_tiles(
-                    q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                    page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
-                    PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
-                if (tile_begin == 0) & (tile_end == n_tiles):
-                    _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
-                else:
-                    first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
-                    slot = 2 * cta + (cta == first_cta).to(tl.int32)
-                    _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
-            pos = seg_lo + seg_cost
-            b = tl.where(h == NUM_KV_HEADS - 1, b + 1, b)
-        else:
-            b = b + 1
+    k = tl.load(cta_first_req_ptr + cta)
+    in_range = pos < end
+    b = tl.load(active_req_ptr + k, mask=in_range, other=0)
+    seq_len = tl.load(seq_lens_ptr + b)
+    seg_cost = tl.cdiv(seq_len, BLOCK_N) + SEGMENT_OVERHEAD
+    req_lo = tl.load(req_cost_start_ptr + b)
+    h = tl.where(in_range, (pos - req_lo) // seg_cost, 0)
+    seg_lo = req_lo + h * seg_cost
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+    for unit in tl.range(pos, end, num_stages=NUM_STAGES):
+        tile = unit - seg_lo - SEGMENT_OVERHEAD
+        tok = tile * BLOCK_N + offs_n
+        mask_n = (tile >= 0) & (tok < seq_len)
+        page = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt + tok // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_tile = tl.load(k_ptr + h.to(tl.int64) * stride_k_head + slot[:, None] * stride_k_slot + offs_d[None, :],
+                         mask=kv_mask, other=0.0)
+        v_tile = tl.load(v_ptr + h.to(tl.int64) * stride_v_head + slot[:, None] * stride_v_slot + offs_d[None, :],
+                         mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k_tile))
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # An overhead unit has no valid token: keep the state (m_new = m, p = 0).
+        m_new = tl.where(tile >= 0, tl.maximum(m, tl.max(s, 1)), m)
+        alpha = tl.where(tile >= 0, tl.exp2(m - m_new), 1.0)
+        p = tl.exp2(s - tl.where(tile >= 0, m_new, 0.0)[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+        m = m_new
+
+        seg_done = unit == seg_lo + seg_cost - 1
+        if (seg_done | (unit == end - 1)) & (tile >= 0):
+            if (seg_lo + SEGMENT_OVERHEAD >= pos) & seg_done:
+                _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            else:
+                first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
+                slot_id = 2 * cta + (cta == first_cta).to(tl.int32)
+                _store_partial(o_part_ptr, lse_part_ptr, slot_id, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        if seg_done:
+            m = tl.full([G_PAD], float("-inf"), tl.float32)
+            l = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+            seg_lo = seg_lo + seg_cost
+            if h == NUM_KV_HEADS - 1:
+                h = 0
+                k = k + 1
+                more = unit + 1 < end
+                b = tl.load(active_req_ptr + k, mask=more, other=0)
+                seq_len = tl.load(seq_lens_ptr + b)
+                seg_cost = tl.cdiv(seq_len, BLOCK_N) + SEGMENT_OVERHEAD
+            else:
+                h = h + 1
+            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
                  first, count, slot_a, slot_c, slot_first_extra,
-                 G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr):
     """Merge partials i = first .. first+count-1 stored at slot a*i + c (+extra for i == first).
 
-    Online LSE merge in base 2, partials in increasing i: a fixed order, so the result
-    does not depend on which CTA finished first.
+    Vectorised over BLOCK_P partials at a time on a [BLOCK_P, G*HEAD_DIM] tile (column
+    j = query row j // HEAD_DIM, dim j % HEAD_DIM), so a request cut into many pieces
+    costs a few dependent loads, not one per piece. Base-2 LSE; the result depends only
+    on the set of partials, not on which CTA finished first.
     """
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < G
-    mask = mask_g[:, None] & (offs_d[None, :] < HEAD_DIM)
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    weight = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    for i in range(first, first + count):
-        slot = slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)
-        base = slot.to(tl.int64) * G
-        lse = tl.load(lse_part_ptr + base + offs_g, mask=mask_g, other=0.0)
-        o = tl.load(o_part_ptr + (base + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        weight = weight * alpha + w
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_j = tl.arange(0, BLOCK_GD)
+    row = offs_j // HEAD_DIM
+    mask_j = offs_j < G * HEAD_DIM
+    m = tl.full([BLOCK_GD], float("-inf"), tl.float32)
+    weight = tl.zeros([BLOCK_GD], tl.float32)
+    acc = tl.zeros([BLOCK_GD], tl.float32)
+    for p0 in range(first, first + count, BLOCK_P):
+        i = p0 + offs_p
+        mask_p = i < first + count
+        slot = (slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)).to(tl.int64)
+        mask = mask_p[:, None] & mask_j[None, :]
+        lse = tl.load(lse_part_ptr + slot[:, None] * G + row[None, :], mask=mask, other=float("-inf"))
+        o = tl.load(o_part_ptr + slot[:, None] * (G * HEAD_DIM) + offs_j[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - safe_m[None, :])
+        alpha = tl.exp2(m - safe_m)
+        acc = acc * alpha + tl.sum(w * o, 0)
+        weight = weight * alpha + tl.sum(w, 0)
         m = m_new
-    _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, weight, G, G_PAD, HEAD_DIM, BLOCK_D)
+    res = acc / tl.where(weight > 0, weight, 1.0)
+    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + row).to(tl.int64) * stride_oh + offs_j % HEAD_DIM
+    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_j)
 
 
 @triton.jit
@@ -190,7 +234,7 @@ def merge_stream_kernel(
     stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEGMENT_OVERHEAD: tl.constexpr,
+    SEGMENT_OVERHEAD: tl.constexpr, BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per segment (b, h): merge it if the balanced partition cut it, and
     write zeros for an empty request (seq_len 0: padded rows, which no CTA visits)."""
@@ -211,7 +255,7 @@ def merge_stream_kernel(
         if last_cta > first_cta:
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
             _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
-                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, G_PAD, HEAD_DIM, BLOCK_D)
+                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_GD, BLOCK_P)
 
 
 @triton.jit
@@ -282,8 +326,8 @@ def decode_units_kernel(
 def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr,
     stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One program per segment (b, h): merge the splits of a request that has more than
     one; split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h."""
@@ -294,4 +338,4 @@ def merge_units_kernel(
     if num_splits > 1:
         base = tl.load(req_split_base_ptr + b)
         _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
-                     base, num_splits, NUM_KV_HEADS, h, 0, G, G_PAD, HEAD_DIM, BLOCK_D)
+                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_GD, BLOCK_P)

@@ -16,6 +16,8 @@ from .plan import plan_stream_kernel
 # chunks of PLAN_BLOCK_B requests (a [64, 256] compare tile per step).
 PLAN_BLOCK_C = 64
 PLAN_BLOCK_B = 256
+# Elements of the merge kernel's [partials, G * D] tile: 32 fp32 per thread at 4 warps.
+MERGE_TILE = 4096
 
 
 def group_rows(group_size: int) -> int:
@@ -28,12 +30,19 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, cta_first_req, plan_scalars,
+def _merge_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
+    """The merge works on [BLOCK_P partials, G * D] tiles of about MERGE_TILE elements."""
+    block_gd = triton.next_power_of_2(group_size * head_dim)
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, HEAD_DIM=head_dim, BLOCK_GD=block_gd,
+                BLOCK_P=max(2, MERGE_TILE // block_gd))
+
+
+def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
                        capacity: int, num_ctas: int, num_kv_heads: int, block_n: int, segment_overhead: int):
     """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``)."""
     grid = (triton.cdiv(num_ctas, PLAN_BLOCK_C),)
     plan_stream_kernel[grid](
-        seq_lens, plan_seq_lens, req_cost_start, cta_first_req, plan_scalars,
+        seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
         seq_lens.shape[0], capacity, num_ctas,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, SEGMENT_OVERHEAD=segment_overhead,
         BLOCK_B=PLAN_BLOCK_B, BLOCK_C=PLAN_BLOCK_C, num_warps=4)
@@ -45,13 +54,13 @@ def _cache_strides(q, k_cache, v_cache, out, page_table):
 
 
 def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
-                         req_cost_start, cta_first_req, plan_scalars, sm_scale_log2: float,
+                         req_cost_start, active_req, cta_first_req, plan_scalars, sm_scale_log2: float,
                          num_ctas: int, page_size: int, config):
     """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     return decode_stream_kernel[(num_ctas,)](
-        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table, req_cost_start, cta_first_req,
-        plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
+        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table, req_cost_start, active_req,
+        cta_first_req, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
         **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps)
@@ -60,9 +69,12 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, p
 def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, num_kv_heads: int, config):
     """One program per (request, KV head) of ``out [B, Hq, D]``."""
     batch, num_q_heads, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
     merge_stream_kernel[(batch * num_kv_heads,)](
         o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, out.stride(0), out.stride(1),
-        **_shape_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        **_shape_constants(num_kv_heads, group, head_dim),
+        BLOCK_GD=_merge_constants(num_kv_heads, group, head_dim)["BLOCK_GD"],
+        BLOCK_P=_merge_constants(num_kv_heads, group, head_dim)["BLOCK_P"],
         BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.merge_num_warps)
 
 
@@ -84,7 +96,7 @@ def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv
     batch, num_q_heads, head_dim = out.shape
     merge_units_kernel[(batch * num_kv_heads,)](
         o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
-        **_shape_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        **_merge_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
         num_warps=config.merge_num_warps)
 
 

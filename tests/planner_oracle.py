@@ -15,7 +15,7 @@ def cdiv(a, b):
 
 
 def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
-    """-> dict(seq_lens, req_cost_start [B+1], cta_first_req [C], piece, total)."""
+    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_first_req [C], piece, total)."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     tiles = cdiv(lens, block_n)
     cost = np.where(tiles > 0, (tiles + overhead) * num_kv_heads, 0)
@@ -23,9 +23,10 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
     total = int(end[-1]) if len(end) else 0
     piece = max(-(-total // num_ctas), 1)
     starts = np.arange(num_ctas, dtype=np.int64) * piece
-    first = np.array([int(np.sum(end <= s)) for s in starts], dtype=np.int64)
-    return dict(seq_lens=lens, req_cost_start=np.concatenate([end - cost, [total]]), cta_first_req=first,
-                piece=piece, total=total)
+    active = np.flatnonzero(cost > 0)
+    first = np.array([int(np.sum(end[active] <= s)) for s in starts], dtype=np.int64)
+    return dict(seq_lens=lens, req_cost_start=np.concatenate([end - cost, [total]]), active_req=active,
+                cta_first_req=first, piece=piece, total=total)
 
 
 def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
@@ -59,17 +60,15 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
     writes = list of (kind, b, h, slot) with kind 'out' or 'partial'.
     """
     lens, start, first_req = plan["seq_lens"], plan["req_cost_start"], plan["cta_first_req"]
-    piece, total = plan["piece"], plan["total"]
+    piece, total, active = plan["piece"], plan["total"], plan["active_req"]
     pieces, writes = [], []
     for c in range(num_ctas):
-        pos, end, b = c * piece, min((c + 1) * piece, total), int(first_req[c])
+        pos, end, k = c * piece, min((c + 1) * piece, total), int(first_req[c])
         mine = []
         while pos < end:
+            b = int(active[k])
             n = int(cdiv(lens[b], block_n))
-            seg_cost = n + overhead if n > 0 else 0
-            if seg_cost == 0:
-                b += 1
-                continue
+            seg_cost = n + overhead
             h = (pos - int(start[b])) // seg_cost
             seg_lo = int(start[b]) + h * seg_cost
             t0, t1 = max(pos - seg_lo - overhead, 0), min(end - seg_lo - overhead, n)
@@ -82,7 +81,7 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
                     writes.append(("partial", b, h, 2 * c + int(c == first_cta)))
             pos = seg_lo + seg_cost
             if h == num_kv_heads - 1:
-                b += 1
+                k += 1
         pieces.append(mine)
     return pieces, writes
 

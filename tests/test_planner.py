@@ -27,6 +27,7 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
     np.testing.assert_array_equal(s.req_cost_start[:len(lens) + 1].cpu().numpy(), want["req_cost_start"])
+    np.testing.assert_array_equal(s.active_req[:len(want["active_req"])].cpu().numpy(), want["active_req"])
     np.testing.assert_array_equal(s.cta_first_req.cpu().numpy(), want["cta_first_req"])
     assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"]]
     return want, cfg
@@ -85,7 +86,8 @@ def test_stream_plan_worked_example():
     """The worked example of evenkv.kernels.plan's docstring (Hkv 1, BLOCK_N 16, overhead 1, C 4)."""
     want = stream_plan([100, 0, 20], 1024, 4, 1, 16, 1)
     assert want["req_cost_start"].tolist() == [0, 8, 8, 11]
-    assert want["cta_first_req"].tolist() == [0, 0, 0, 2]
+    assert want["active_req"].tolist() == [0, 2]
+    assert want["cta_first_req"].tolist() == [0, 0, 0, 1]
     assert (want["piece"], want["total"]) == (3, 11)
 
 
