@@ -36,7 +36,7 @@ FA3_MAX_SPLITS = 128
 class StreamSchedule:
     """``balanced`` plan. req_cost_start [B + 1] int32 (exclusive prefix of request costs);
     active_req [B] int32 (non-empty requests in order); cta_first_req [C] int32 (index into
-    active_req where CTA c starts); plan_scalars [2] int32 (piece, total)."""
+    active_req where CTA c starts); plan_scalars [3] int32 (piece, total, active count)."""
 
     req_cost_start: torch.Tensor
     active_req: torch.Tensor

@@ -115,80 +115,55 @@ def decode_stream_kernel(
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
 
     Segment (b, h) spans cost [req_cost_start[b] + h*seg_cost, ... + seg_cost) with
-    seg_cost = n_tiles + SEGMENT_OVERHEAD: first its overhead units, then tile t at unit
-    SEGMENT_OVERHEAD + t. The CTA runs ONE flat loop over its cost units, so the
-    software pipeline keeps loads in flight across segment boundaries (with many short
-    requests a per-segment loop would stall on every segment's first tile). Overhead
-    units load nothing; at a unit where a segment ends (or the range does) the piece is
-    stored: whole segments to ``out``, cut ones to partial slot 2*c + (c is the
-    segment's first CTA), which ``merge_stream_kernel`` finds from the same arithmetic.
-    Requests are walked through ``active_req`` (the non-empty ones, in order).
+    seg_cost = n_tiles + SEGMENT_OVERHEAD; its tile t sits at cost
+    seg_lo + SEGMENT_OVERHEAD + t. Requests are walked through ``active_req`` (the
+    non-empty ones, in order). A segment this CTA covers whole is written to ``out``;
+    a cut one goes to partial slot 2*c + (c is the segment's first CTA), which
+    ``merge_stream_kernel`` finds again from the same arithmetic.
+
+    With many short requests a CTA walks many segments, so the next request's
+    metadata is loaded one request ahead (its latency hides behind the current tiles).
     """
     cta = tl.program_id(0)
     piece = tl.load(plan_scalars_ptr)
     total = tl.load(plan_scalars_ptr + 1)
+    num_active = tl.load(plan_scalars_ptr + 2)
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
     k = tl.load(cta_first_req_ptr + cta)
-    in_range = pos < end
-    b = tl.load(active_req_ptr + k, mask=in_range, other=0)
+    b = tl.load(active_req_ptr + k, mask=k < num_active, other=0)
     seq_len = tl.load(seq_lens_ptr + b)
-    seg_cost = tl.cdiv(seq_len, BLOCK_N) + SEGMENT_OVERHEAD
     req_lo = tl.load(req_cost_start_ptr + b)
-    h = tl.where(in_range, (pos - req_lo) // seg_cost, 0)
-    seg_lo = req_lo + h * seg_cost
-
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
-    for unit in tl.range(pos, end, num_stages=NUM_STAGES):
-        tile = unit - seg_lo - SEGMENT_OVERHEAD
-        tok = tile * BLOCK_N + offs_n
-        mask_n = (tile >= 0) & (tok < seq_len)
-        page = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt + tok // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_tile = tl.load(k_ptr + h.to(tl.int64) * stride_k_head + slot[:, None] * stride_k_slot + offs_d[None, :],
-                         mask=kv_mask, other=0.0)
-        v_tile = tl.load(v_ptr + h.to(tl.int64) * stride_v_head + slot[:, None] * stride_v_slot + offs_d[None, :],
-                         mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k_tile))
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # An overhead unit has no valid token: keep the state (m_new = m, p = 0).
-        m_new = tl.where(tile >= 0, tl.maximum(m, tl.max(s, 1)), m)
-        alpha = tl.where(tile >= 0, tl.exp2(m - m_new), 1.0)
-        p = tl.exp2(s - tl.where(tile >= 0, m_new, 0.0)[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
-        m = m_new
-
-        seg_done = unit == seg_lo + seg_cost - 1
-        if (seg_done | (unit == end - 1)) & (tile >= 0):
-            if (seg_lo + SEGMENT_OVERHEAD >= pos) & seg_done:
+    next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+    while pos < end:
+        # Prefetch the next request's metadata (only used once this request is done).
+        next_seq_len = tl.load(seq_lens_ptr + next_b)
+        next_req_lo = tl.load(req_cost_start_ptr + next_b)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        seg_cost = n_tiles + SEGMENT_OVERHEAD
+        h = (pos - req_lo) // seg_cost
+        seg_lo = req_lo + h * seg_cost
+        tile_begin = tl.maximum(pos - seg_lo - SEGMENT_OVERHEAD, 0)
+        tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
+        if tile_end > tile_begin:
+            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+            acc, m, l = _attend_tiles(
+                q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
+                PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+            if (tile_begin == 0) & (tile_end == n_tiles):
                 _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
             else:
                 first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
-                slot_id = 2 * cta + (cta == first_cta).to(tl.int32)
-                _store_partial(o_part_ptr, lse_part_ptr, slot_id, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
-        if seg_done:
-            m = tl.full([G_PAD], float("-inf"), tl.float32)
-            l = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-            seg_lo = seg_lo + seg_cost
-            if h == NUM_KV_HEADS - 1:
-                h = 0
-                k = k + 1
-                more = unit + 1 < end
-                b = tl.load(active_req_ptr + k, mask=more, other=0)
-                seq_len = tl.load(seq_lens_ptr + b)
-                seg_cost = tl.cdiv(seq_len, BLOCK_N) + SEGMENT_OVERHEAD
-            else:
-                h = h + 1
-            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+                slot = 2 * cta + (cta == first_cta).to(tl.int32)
+                _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        pos = seg_lo + seg_cost
+        if h == NUM_KV_HEADS - 1:
+            k = k + 1
+            b = next_b
+            seq_len = next_seq_len
+            req_lo = next_req_lo
+            next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
 
 
 @triton.jit

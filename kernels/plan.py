@@ -10,7 +10,8 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
   walks this list, so it never steps over empty requests one by one);
 * ``cta_first_req [C] int32``  for CTA c, the index into ``active_req`` of the first
   request whose cost range ends after ``c * piece``: where CTA c starts walking;
-* ``plan_scalars [2] int32``  (piece, total) with ``piece = max(ceil(total / C), 1)``.
+* ``plan_scalars [3] int32``  (piece, total, number of active requests) with
+  ``piece = max(ceil(total / C), 1)``.
 
 Worked example (Hkv = 1, BLOCK_N = 16, SEGMENT_OVERHEAD = 1, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [8, 0, 3], total 11, piece 3,
@@ -77,3 +78,4 @@ def plan_stream_kernel(
         tl.store(req_cost_start_ptr + batch_size, total)
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
+        tl.store(plan_scalars_ptr + 2, active_carry)
