@@ -1,0 +1,88 @@
+"""evenkv itself: ``evenkv.DecodeAttention`` for each policy and arch table.
+
+Variant names: ``<policy>`` uses the arch table evenkv picks for this device (the one
+the headline numbers are about); ``<policy>@sm80`` / ``<policy>@sm90`` force a table
+(skipped where it is the one picked anyway); ``balanced-det`` is the batch-invariant
+mode, offered only when the API has a ``deterministic`` argument.
+"""
+
+import inspect
+
+from . import Runner
+
+FAMILY = "evenkv"
+POLICIES = ("balanced", "fa3", "none")
+ARCHES = ("sm80", "sm90")
+
+
+def available():
+    try:
+        import evenkv  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return False, f"import evenkv failed: {type(e).__name__}: {e}"
+    return True, ""
+
+
+def version() -> str:
+    import evenkv
+    return getattr(evenkv, "__version__", "")
+
+
+def has_deterministic() -> bool:
+    import evenkv
+    return "deterministic" in inspect.signature(evenkv.DecodeAttention).parameters
+
+
+def variants(ctx):
+    import evenkv
+    auto = evenkv.resolve_arch(None, ctx.device)
+    out = []
+    for policy in POLICIES:
+        out.append((policy, True))
+        out += [(f"{policy}@{arch}", True) for arch in ARCHES if arch != auto]
+    if has_deterministic():
+        out.append(("balanced-det", True))
+    return out
+
+
+def parse_variant(variant: str) -> tuple[str, str | None, bool]:
+    """'fa3@sm80' -> ('fa3', 'sm80', False); 'balanced-det' -> ('balanced', None, True)."""
+    name, _, arch = variant.partition("@")
+    det = name.endswith("-det")
+    policy = name[: -len("-det")] if det else name
+    if policy not in POLICIES or (arch and arch not in ARCHES):
+        raise ValueError(f"evenkv variant: expected <policy>[-det][@arch] with policy in {POLICIES} "
+                         f"and arch in {ARCHES}, got {variant!r}")
+    return policy, arch or None, det
+
+
+class EvenkvRunner(Runner):
+    def __init__(self, variant, ctx):
+        import evenkv
+        policy, arch, det = parse_variant(variant)
+        kwargs = {"arch": arch}
+        if det:
+            if not has_deterministic():
+                raise NotImplementedError("this evenkv has no deterministic= argument")
+            kwargs["deterministic"] = True
+        s = ctx.shape
+        self.attn = evenkv.DecodeAttention(s.num_q_heads, s.num_kv_heads, s.head_dim, ctx.page_size, ctx.dtype,
+                                           ctx.device, ctx.max_batch, ctx.max_pages, policy,
+                                           sm_scale=ctx.sm_scale, **kwargs)
+        a = self.attn
+        self.config = f"{a.arch}:{a.config.name} ctas={a.num_ctas}"
+        self.config_repr = repr(a.config)
+
+    def prepare(self, batch):
+        self.batch = batch
+        self.k, self.v = batch.k_slots, batch.v_slots
+
+    def plan(self):
+        self.attn.plan(self.batch.seq_lens, self.batch.page_table)
+
+    def run(self):
+        self.attn.run(self.batch.q, self.k, self.v, out=self.batch.out)
+
+
+def make(variant, ctx):
+    return EvenkvRunner(variant, ctx)

@@ -1,0 +1,368 @@
+"""CPU tests of the decode-imbalance benchmark harness (no GPU): the length generator,
+the sweep and check-point selection, the summary math on a synthetic CSV, argument
+parsing, the evenkv/peer adapters' naming, the whole measurement loop with CUDA timing
+mocked (evenkv kernels under the interpreter), and ``evenkv demo`` in interpreter mode.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import decode_imbalance as di  # noqa: E402
+import report  # noqa: E402
+from peers import Runner, evenkv_impl, load, sglang_triton  # noqa: E402
+
+PCT = {"Skewed40": 40, "Skewed60": 60, "Skewed80": 80}
+
+
+# ----------------------------------------------------------------------------- distributions
+
+@pytest.mark.parametrize("total", [32768, 262144, 1048576, 1000])
+@pytest.mark.parametrize("dist", di.DISTS)
+def test_dist_lengths_exact_total_and_long_first(total, dist):
+    for b in di.B_VALUES:
+        lens = di.dist_lengths(dist, total, b)
+        if lens is None:
+            continue
+        assert len(lens) == b and sum(lens) == total and min(lens) >= 1
+        if dist == "Uniform":
+            assert max(lens) - min(lens) <= 1
+        elif dist == "2x40":
+            assert lens[0] == lens[1] == total * 40 // 100
+            assert all(n <= lens[0] for n in lens[2:])
+            assert max(lens[2:]) - min(lens[2:]) <= 1
+        else:
+            assert lens[0] == total * PCT[dist] // 100
+            assert max(lens[1:]) - min(lens[1:]) <= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 1 << 21), b=st.integers(1, 4096), dist=st.sampled_from(di.DISTS))
+def test_dist_lengths_property(total, b, dist):
+    lens = di.dist_lengths(dist, total, b)
+    n_long = {"Uniform": 0, "2x40": 2}.get(dist, 1)
+    long = total * (40 if dist == "2x40" else PCT.get(dist, 0)) // 100
+    rest = total - n_long * long
+    exists = total >= b and b > n_long and rest >= b - n_long and (n_long == 0 or long >= 1)
+    assert (lens is not None) == exists
+    if lens is not None:
+        assert len(lens) == b and sum(lens) == total and min(lens) >= 1
+
+
+def test_dist_lengths_examples_and_missing_points():
+    assert di.dist_lengths("Skewed80", 100, 4) == [80, 7, 7, 6]
+    assert di.dist_lengths("2x40", 100, 4) == [40, 40, 10, 10]
+    assert di.dist_lengths("Uniform", 10, 4) == [3, 3, 2, 2]
+    assert di.dist_lengths("Uniform", 7, 1) == [7]
+    assert di.dist_lengths("Skewed40", 7, 1) is None      # B = 1 is Uniform
+    assert di.dist_lengths("2x40", 100, 2) is None        # two 40 % requests leave 20 % for nobody
+    assert di.dist_lengths("Uniform", 3, 4) is None       # fewer tokens than requests
+    assert di.dist_lengths("Skewed80", 32768, 2048) is not None
+    with pytest.raises(ValueError):
+        di.dist_lengths("Skewed50", 100, 4)
+
+
+def test_sweep_points_and_check_points():
+    pts = di.sweep_points((32768,), di.B_VALUES, di.DISTS)
+    # B = 1: Uniform only; B = 2: no 2x40; every other B: all five
+    assert len(pts) == 1 + 4 + 5 * (len(di.B_VALUES) - 2)
+    assert all(sum(lens) == t for t, _, _, lens in pts)
+    assert di.sweep_points((100,), (64, 128), ("Uniform",)) == \
+        [(100, 64, "Uniform", di.dist_lengths("Uniform", 100, 64))]
+    checks = di.check_points(pts)
+    assert checks == [(1, "Uniform"), (64, "Skewed80"), (2048, "2x40")]
+    assert di.check_points(di.sweep_points((262144,), (1, 16, 256, 2048), di.DISTS)) == \
+        [(1, "Uniform"), (16, "Skewed80"), (2048, "2x40")]
+
+
+def test_sample_rows_and_seeds():
+    rows = di.sample_rows(2048, 8, 3)
+    assert len(rows) == 8 and {0, 1, 2047} <= set(rows) and rows == sorted(rows)
+    assert di.sample_rows(1, 8, 0) == [0]
+    assert di.sample_rows(5, 8, 0) == [0, 1, 2, 3, 4]
+    assert di.stable_seed(0, "qwen3-30b-a3b", 262144, 16) == di.stable_seed(0, "qwen3-30b-a3b", 262144, 16)
+
+
+def test_compare_rows_tolerance():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 64, generator=g)
+    ok, err, tol = di.compare_rows({0: ref.to(torch.bfloat16)}, {0: ref}, torch.bfloat16)
+    assert ok and err < tol
+    ok, err, _ = di.compare_rows({0: (ref * 1.02).to(torch.bfloat16)}, {0: ref}, torch.bfloat16)
+    assert not ok and err > 0.015
+    nan = ref.clone()
+    nan[0, 0] = float("nan")
+    assert di.compare_rows({0: nan}, {0: ref}, torch.bfloat16)[0] is False
+
+
+def test_batch_formats_agree():
+    shape = di.Shape("t", 4, 2, 64)
+    lens = [37, 1, 16, 20]
+    for page in (16, 1):
+        pool = di.Pool(shape, sum(lens), page, len(lens), torch.float16, torch.device("cpu"), 0)
+        b = pool.batch(lens, 5)
+        indptr, slots = b.token_indices()
+        assert indptr.tolist() == [0, 37, 38, 54, 74]
+        for r, n in enumerate(lens):
+            tok = torch.arange(n)
+            want = b.page_table[r, tok // page].long() * page + tok % page
+            assert torch.equal(slots[indptr[r]:indptr[r + 1]].long(), want)
+            pages = b.page_indices[b.page_indptr[r]:b.page_indptr[r + 1]]
+            assert torch.equal(pages, b.page_table[r, :len(pages)])
+            assert b.last_page_len[r].item() == n - (len(pages) - 1) * page
+        assert len(set(b.page_indices.tolist())) == len(b.page_indices)  # no page used twice
+        assert pool.batch(lens, 5).page_indices.tolist() == b.page_indices.tolist()  # same seed, same placement
+
+
+# ----------------------------------------------------------------------------- summary math
+
+def _row(name, impl, b, dist, us, t=1000, page=16, shape="s", status="ok"):
+    kv_bytes = 1_000_000
+    return {"run": "r", "timestamp": "2026-01-01T00:00:00", "gpu": "G", "torch": "t", "triton": "t", "cuda": "c",
+            "evenkv": "0", "evenkv_git": "x", "flashinfer": "flashinfer absent", "vllm": "vllm absent",
+            "sglang": "sglang absent", "shape": shape, "hq": 32, "hkv": 4, "head_dim": 128, "T": t, "B": b,
+            "dist": dist, "page": page, "name": name, "impl": impl, "variant": name, "status": status,
+            "detail": "" if status == "ok" else "boom", "us_med": us if status == "ok" else "",
+            "kv_bytes": kv_bytes, "copy_rw_tbps": 1.0,
+            "frac_copy": (kv_bytes / (us * 1e-6) / 1e12) if status == "ok" else ""}
+
+
+SYNTH = [
+    # B = 4: ours flat-ish, fa3 flat, flashinfer skew cliff
+    _row("evenkv-balanced", "evenkv", 4, "Uniform", 10.0), _row("evenkv-balanced", "evenkv", 4, "Skewed80", 12.0),
+    _row("fa3-auto", "fa3", 4, "Uniform", 8.0), _row("fa3-auto", "fa3", 4, "Skewed80", 8.0),
+    _row("flashinfer-tc", "flashinfer", 4, "Uniform", 5.0), _row("flashinfer-tc", "flashinfer", 4, "Skewed80", 50.0),
+    # B = 8: ours fastest; a peer error
+    _row("evenkv-balanced", "evenkv", 8, "Uniform", 4.0), _row("evenkv-balanced", "evenkv", 8, "Skewed80", 4.0),
+    _row("fa3-auto", "fa3", 8, "Uniform", 8.0), _row("fa3-auto", "fa3", 8, "Skewed80", 16.0),
+    _row("flashinfer-tc", "flashinfer", 8, "Uniform", 0, status="error"),
+    _row("flashinfer-tc", "flashinfer", 8, "Skewed80", 20.0),
+]
+
+
+def _write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=report.COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in report.COLUMNS})
+
+
+def test_summary_math_on_synthetic_csv(tmp_path):
+    _write_csv(tmp_path / "a.csv", SYNTH)
+    rows = report.read_rows([str(tmp_path)])
+    assert len(rows) == len(SYNTH)
+    flat = report.flatness(rows)
+    assert flat[("s", 1000, 16, 4, "evenkv-balanced")] == (pytest.approx(1.2), 2)
+    assert flat[("s", 1000, 16, 4, "flashinfer-tc")] == (pytest.approx(10.0), 2)
+    assert flat[("s", 1000, 16, 8, "flashinfer-tc")] == (pytest.approx(1.0), 1)  # the error row does not count
+    ratios = {d["point"][3:]: d for d in report.point_ratios(rows)}
+    assert ratios[(4, "Uniform")]["best_peer"] == "flashinfer-tc"
+    assert ratios[(4, "Uniform")]["ratio_best"] == pytest.approx(2.0)
+    assert ratios[(4, "Skewed80")]["ratio_best"] == pytest.approx(1.5)
+    assert ratios[(4, "Skewed80")]["ratio_fa3"] == pytest.approx(1.5)
+    assert ratios[(8, "Uniform")]["best_peer"] == "fa3-auto" and ratios[(8, "Uniform")]["ratio_best"] == 0.5
+    assert ratios[(8, "Skewed80")]["ratio_fa3"] == pytest.approx(0.25)
+    h = report.headline(rows)
+    assert h["ok"] == h["points"] == 4
+    assert h["worst_frac"] == pytest.approx(1e6 / 12e-6 / 1e12)  # 1 MB in 12 µs against 1 TB/s
+    assert h["worst_frac_at"] == ("s", 1000, 16, 4, "Skewed80")
+    assert h["worst_flat"] == pytest.approx(1.2) and h["worst_flat_at"] == ("s", 1000, 16, 4)
+    assert h["ratio_fa3_worst"] == pytest.approx(1.5)
+    assert h["ratio_fa3_median"] == pytest.approx((0.5 + 1.25) / 2)     # ratios 1.25, 1.5, 0.5, 0.25
+    assert h["ratio_best_worst"] == pytest.approx(2.0)
+    assert h["ratio_best_median"] == pytest.approx((0.5 + 1.5) / 2)     # ratios 2.0, 1.5, 0.5, 0.25
+    worst = {d["name"]: d for d in report.impl_worst(rows)}
+    assert worst["flashinfer-tc"]["error"] == 1 and worst["flashinfer-tc"]["worst_at"][3:] == (4, "Skewed80")
+    assert worst["flashinfer-tc"]["worst_flat"] == pytest.approx(10.0)
+
+    res = report.generate([str(tmp_path)], str(tmp_path / "out"), plots=False)
+    text = Path(res["summary"]).read_text()
+    assert "## Headline: evenkv-balanced" in text and "| 4 | 1.20 | 1.00 | 10.00 |" in text
+    assert "2.00 / 1.00" in text  # best-peer ratio worst / median in the headline row
+
+
+def test_last_row_wins_and_report_cli(tmp_path):
+    _write_csv(tmp_path / "a.csv", SYNTH)
+    _write_csv(tmp_path / "b.csv", [_row("evenkv-balanced", "evenkv", 4, "Skewed80", 10.0)])  # a re-run
+    rows = report.read_rows([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    assert report.flatness(rows)[("s", 1000, 16, 4, "evenkv-balanced")][0] == pytest.approx(1.0)
+    assert report.main([str(tmp_path), "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "summary.md").exists()
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def test_args_defaults_quick_and_overrides():
+    a = di.resolve_args([])
+    assert a.T == di.T_VALUES and a.B == di.B_VALUES and a.pages == (16, 1) and a.dists == di.DISTS
+    assert [s.name for s in a.shapes] == ["qwen3-30b-a3b"] and a.max_reps == 50
+    q = di.resolve_args(["--quick"])
+    assert q.T == (262144,) and q.B == (1, 16, 256, 2048) and q.max_reps == 15
+    o = di.resolve_args(["--quick", "--T", "256k,1m", "--B", "1,3", "--pages", "1", "--dists", "Uniform,2x40",
+                         "--shape", "llama3-8b,gemma3-12b", "--impls", "evenkv-*,fa3-auto", "--skip", "*@sm80"])
+    assert o.T == (262144, 1048576) and o.B == (1, 3) and o.pages == (1,) and o.dists == ("Uniform", "2x40")
+    assert [(s.num_q_heads, s.num_kv_heads, s.head_dim) for s in o.shapes] == [(32, 8, 128), (16, 8, 256)]
+    assert o.impl_patterns == ["evenkv-*", "fa3-auto"] and o.skip_patterns == ["*@sm80"]
+    assert len(di.resolve_args(["--shape", "all"]).shapes) == len(di.SHAPES)
+    for bad in (["--dists", "Skewed50"], ["--shape", "gpt5"], ["--T", "x"], ["--min-reps", "9", "--max-reps", "3"]):
+        with pytest.raises(SystemExit):
+            di.resolve_args(bad)
+
+
+def test_shapes_cover_the_issue():
+    dims = {(s.num_q_heads, s.num_kv_heads, s.head_dim) for s in di.SHAPES.values()}
+    assert {(32, 4, 128), (32, 8, 128), (8, 1, 128), (28, 4, 128)} <= dims
+    assert any(d == 64 for _, _, d in dims) and any(d == 256 for _, _, d in dims)
+    assert all(s.num_q_heads % s.num_kv_heads == 0 for s in di.SHAPES.values())
+
+
+def test_impl_selection_and_names():
+    assert di.impl_name("vllm_triton", "default") == "vllm_triton"
+    assert di.impl_name("fa3", "auto") == "fa3-auto"
+    assert di.selected("fa3-auto", True, ["default"], [])
+    assert not di.selected("fa3-max32", False, ["default"], [])
+    assert di.selected("fa3-max32", False, ["fa3-*"], [])
+    assert not di.selected("evenkv-none@sm80", True, ["default"], ["*@sm80"])
+    assert evenkv_impl.parse_variant("fa3@sm80") == ("fa3", "sm80", False)
+    assert evenkv_impl.parse_variant("balanced-det") == ("balanced", None, True)
+    with pytest.raises(ValueError):
+        evenkv_impl.parse_variant("balanced@sm70")
+    ctx = types.SimpleNamespace(device=torch.device("cpu"))
+    names = [v for v, _ in evenkv_impl.variants(ctx)]
+    assert names[:2] == ["balanced", "balanced@sm80"]  # CPU resolves to sm90: only the other table is forced
+    assert sglang_triton.schedule_seq(5) == 256 and sglang_triton.schedule_seq(300) == 512
+    assert sglang_triton.schedule_seq(256) == 256
+
+
+def test_cli_routes_bench_args(capsys):
+    from evenkv import cli
+    assert cli.find_benchmark() == REPO / "benchmarks" / "decode_imbalance.py"
+    assert cli.main(["bench", "--dry-run", "--T", "32768", "--B", "1,2", "--pages", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "T=32768 page 16: 5 points" in out
+
+
+# ----------------------------------------------------------------------------- the loop, CUDA mocked
+
+class _FakeEvent:
+    def __init__(self, enable_timing=True):
+        self.t = 0.0
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_measurement_loop_with_mocked_cuda(tmp_path, monkeypatch):
+    """The whole run (checks, timing, CSV, summary) on the CPU: CUDA events/sync mocked,
+    evenkv under the interpreter. Numbers are meaningless; the bookkeeping is not."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs the interpreter lane (CPU)")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(name="CPU mock", multi_processor_count=2, major=0, minor=0))
+    monkeypatch.setitem(di.SHAPES, "tiny", di.Shape("tiny", 4, 2, 64))
+    args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "4", "--dists", "Uniform,Skewed80",
+                            "--pages", "16", "--impls", "evenkv-balanced", "--skip", "*@*", "--dtype", "fp16",
+                            "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1", "--flush-mib", "1",
+                            "--copy-mib", "1", "--check-rows", "2", "--out", str(tmp_path), "--tag", "t"])
+    impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
+    assert [i.name for i in impls] == ["evenkv-balanced"]
+    run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
+    rows = list(csv.DictReader(open(run_dir / "t.csv")))
+    assert [(r["B"], r["dist"], r["name"]) for r in rows] == [
+        ("4", "Uniform", "evenkv-balanced"), ("4", "Skewed80", "evenkv-balanced")]
+    assert all(r["status"] == "ok" for r in rows), [(r["name"], r["status"], r["detail"]) for r in rows]
+    assert all(float(r["us_med"]) > 0 and int(r["n_rep"]) >= 1 for r in rows)
+    assert rows[-1]["max_len"] == "64" and rows[-1]["min_len"] == "5"
+    assert rows[-1]["kv_bytes"] == str(80 * 2 * 64 * 2 * 2)  # T x Hkv x D x (K, V) x 2 bytes
+    checked = [r for r in rows if r["check_err"]]
+    assert {(r["B"], r["dist"]) for r in checked} == {("4", "Uniform"), ("4", "Skewed80")}
+    assert all(float(r["check_err"]) <= float(r["check_tol"]) for r in checked)
+    assert rows[0]["config"].startswith("sm90:") and rows[0]["plan_host_us"]
+    assert (run_dir / "summary.md").exists() and list(run_dir.glob("time_tiny_T80_p16.png"))
+
+
+def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch):
+    """An adapter whose output is wrong at a check point is reported 'wrong' everywhere in the group."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs the interpreter lane (CPU)")
+
+    class Broken(Runner):
+        config = "broken"
+
+        def __init__(self, variant, ctx):
+            pass
+
+        def run(self):
+            self.batch.out.copy_(self.batch.q * 3)
+
+    fake = types.SimpleNamespace(FAMILY="broken", available=lambda: (True, ""), version=lambda: "0",
+                                 variants=lambda ctx: [("x", True)], make=lambda v, ctx: Broken(v, ctx))
+    monkeypatch.setattr(di, "MODULES", ("broken",))
+    monkeypatch.setattr(di, "load", lambda m: fake)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(name="CPU mock", multi_processor_count=2, major=0, minor=0))
+    monkeypatch.setitem(di.SHAPES, "tiny", di.Shape("tiny", 4, 2, 64))
+    args = di.resolve_args(["--shape", "tiny", "--T", "40", "--B", "2,4", "--dists", "Uniform", "--pages", "1",
+                            "--dtype", "fp16", "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1",
+                            "--flush-mib", "1", "--copy-mib", "1", "--out", str(tmp_path), "--tag", "w", "--no-plots"])
+    monkeypatch.setattr(report, "generate", lambda *a, **k: {"summary": "", "pngs": [], "headline": {}})
+    impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
+    run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
+    rows = list(csv.DictReader(open(run_dir / "w.csv")))
+    assert [r["status"] for r in rows] == ["wrong", "wrong"] and not any(r["us_med"] for r in rows)
+    assert "reference check failed" in rows[0]["detail"]
+
+
+# ----------------------------------------------------------------------------- the demo
+
+def test_demo_interpreter_mode_runs():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "evenkv.cli", "demo", "--cpu"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "INTERPRETER" in p.stdout and "no performance meaning" in p.stdout and "DEMO PASS" in p.stdout
+
+
+def test_demo_reexecs_with_interpreter_env(monkeypatch):
+    from evenkv import cli
+    seen = {}
+
+    def fake_call(cmd, env):
+        seen.update(cmd=cmd, env=env)
+        return 0
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    assert cli.main(["demo", "--cpu"]) == 0
+    assert seen["cmd"][1:] == ["-m", "evenkv.cli", "demo", "--cpu"] and seen["env"]["TRITON_INTERPRET"] == "1"
+
+
+def test_python_m_evenkv_bench_dry_run():
+    p = subprocess.run([sys.executable, "-m", "evenkv.bench", "--dry-run", "--quick"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "qwen3-30b-a3b 32/4/128 T=262144 page 16: 16 points" in p.stdout
