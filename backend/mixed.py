@@ -1,0 +1,217 @@
+"""Mixed batches: decode rows through the balanced decode plan, the rest through extend.
+
+vLLM (both model runners) orders a batch decode first: requests ``[0, num_decodes)``
+have q_len 1 and own q rows ``[0, num_decodes)``; the others (prefill chunks,
+spec-verify rows) follow. ``MixedAttention`` plans both parts once per batch and runs
+both per layer, writing one output.
+
+CUDA-graph contract: ``plan`` and ``run`` launch GPU work only (no ``.item()``,
+``.cpu()``, host sync or data-dependent allocation; every buffer is allocated in
+``__init__``), so both can be captured. The decode part is ``evenkv.DecodeAttention``
+and is capturable as such (decode-only batches: ``num_decodes == B``). The extend
+grid is sized from host ints (``q.shape[0]``, ``max_q_len``, B, ``num_decodes``), so a
+captured mixed run replays correctly for any lengths within the captured values.
+Under graphs pass the same persistent ``cu_seqlens_q`` / ``seq_lens`` /
+``page_table`` buffers to every ``plan`` and refill them in place.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .arch import resolve_arch
+from .checks import SUPPORTED_DTYPES, check_positive_int, check_tensor
+from .decode import PAGE_SIZES, POLICIES, DecodeAttention, debug_enabled
+from .extend import (ExtendConfig, ExtendPlan, check_batch_metadata, check_cache, check_head_dim,
+                     check_lengths_on_host, extend_config, normalize_logit_cap, normalize_sm_scale, normalize_window,
+                     plan_extend, run_extend)
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """What ``MixedAttention.run`` executes.
+
+    batch_size: B. num_decodes: requests [0, num_decodes) (q rows [0, num_decodes))
+    run on the decode path; decode_via_extend: True when they run in the extend kernel
+    instead (a sliding window or soft-cap, which the decode kernels do not apply).
+    extend: the extend plan (None when every request is a decode row on the decode path).
+    """
+
+    batch_size: int
+    num_decodes: int
+    decode_via_extend: bool
+    extend: ExtendPlan | None
+
+
+class MixedAttention:
+    """Paged attention for a batch of decode rows followed by extend rows.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, max_batch_size,
+        max_pages_per_request, policy: as ``evenkv.DecodeAttention`` (policy applies to
+            the decode rows).
+        sm_scale: softmax scale, default 1/sqrt(D).
+        sliding_window, logit_cap: as ``evenkv.extend`` (None/0 = off). With either set,
+            decode rows also run in the extend kernel (q_len 1 is a valid extend row);
+            the plan records it (``MixedPlan.decode_via_extend``).
+        schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
+        arch, debug: as ``evenkv.DecodeAttention``.
+        decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ...).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
+                 sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
+                 schedule: str = "lpt", extend_config: ExtendConfig | None = None, arch: str | None = None,
+                 debug: bool | None = None, **decode_kwargs):
+        check_positive_int("num_q_heads", num_q_heads)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+        check_positive_int("head_dim", head_dim)
+        check_head_dim(head_dim)
+        check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
+        check_positive_int("max_batch_size", max_batch_size)
+        check_positive_int("max_pages_per_request", max_pages_per_request)
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+        if schedule not in ("lpt", "ordered"):
+            raise ValueError(f"schedule: expected 'lpt' or 'ordered', got {schedule!r}")
+        if extend_config is not None and not isinstance(extend_config, ExtendConfig):
+            raise TypeError(f"extend_config: expected ExtendConfig or None, got {type(extend_config).__name__}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group_size = num_q_heads // num_kv_heads
+        self.page_size, self.dtype = page_size, dtype
+        self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
+        self.sm_scale = normalize_sm_scale(sm_scale, head_dim)
+        self.sliding_window = normalize_window(sliding_window)
+        self.logit_cap = normalize_logit_cap(logit_cap)
+        self.schedule = schedule
+        self.arch = resolve_arch(arch, self.device)
+        self._extend_config = extend_config
+        self.debug = debug_enabled(debug)
+        # The decode kernels apply neither a window nor a soft-cap: such models decode in extend.
+        self.decode_via_extend = self.sliding_window is not None or self.logit_cap is not None
+        self.decode = None if self.decode_via_extend else DecodeAttention(
+            num_q_heads, num_kv_heads, head_dim, page_size, dtype, self.device, max_batch_size,
+            max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug, **decode_kwargs)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._order = torch.zeros(max_batch_size, **i32)
+        self._sorted_start = torch.zeros(max_batch_size, **i32)
+        self._plan: MixedPlan | None = None
+
+    def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
+             num_decodes: int, max_q_len: int) -> MixedPlan:
+        """Plan one batch; the plan stays in effect for every ``run`` until the next ``plan``.
+
+        cu_seqlens_q: [B + 1] int32/int64 on this device; the first num_decodes requests
+            have q_len 1 (cu_seqlens_q[i] == i for i <= num_decodes).
+        seq_lens: [B] int32/int64 on this device, KV length including the new tokens.
+        page_table: [B, max_pages] int32 on this device, any row stride.
+        num_decodes: host int in [0, B] (vLLM ``split_decodes_and_prefills``).
+        max_q_len: host int >= every q length of requests [num_decodes, B) (1 if none).
+        """
+        batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, self.device)
+        if batch > self.max_batch_size:
+            raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={self.max_batch_size}")
+        if page_table.shape[1] > self.max_pages_per_request:
+            raise ValueError(f"page_table: expected at most max_pages_per_request={self.max_pages_per_request} "
+                             f"columns, got {page_table.shape[1]}")
+        for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected a host int, got {type(value).__name__}")
+        if not 0 <= num_decodes <= batch:
+            raise ValueError(f"num_decodes: expected an int in [0, B={batch}], got {num_decodes}")
+        if max_q_len < 0:
+            raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
+        if self.debug:
+            cu = cu_seqlens_q[:num_decodes + 1].cpu()
+            if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
+                raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
+                                 f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
+        use_decode = num_decodes > 0 and not self.decode_via_extend
+        if use_decode:
+            self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes])
+        extend_plan = None
+        req_begin = num_decodes if use_decode else 0
+        if req_begin < batch:
+            q_bound = max(max_q_len, 1 if num_decodes else 0)
+            config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
+            extend_plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=self.page_size,
+                                      group_size=self.group_size, max_q_len=q_bound, config=config,
+                                      schedule=self.schedule, req_begin=req_begin, order=self._order,
+                                      sorted_start=self._sorted_start)
+        self._plan = MixedPlan(batch, num_decodes, self.decode_via_extend, extend_plan)
+        return self._plan
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for the planned batch.
+
+        q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0, num_decodes)
+            are the decode rows.
+        k_cache, v_cache: [num_slots, Hkv, D] (any strides, unit stride in D) or
+            [num_pages, page_size, Hkv, D] when that views as slots (the decode kernel
+            addresses slots).
+        k_new, v_new: None or [total_q, Hkv, D], as ``evenkv.extend`` (used by the extend
+            rows; decode rows always read the cache, which must then hold their token).
+        out: optional [total_q, Hq, D]. Returns out; rows past cu_seqlens_q[-1] are not written.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("MixedAttention.run: call plan(...) first")
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        total_q = q.shape[0]
+        if total_q < plan.num_decodes:
+            raise ValueError(f"q: expected at least num_decodes={plan.num_decodes} rows, got {total_q}")
+        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.dtype, device=self.device)
+        if k_cache.shape[-2:] != (hkv, d):
+            raise ValueError(f"k_cache: expected [..., Hkv={hkv}, D={d}], got shape {tuple(k_cache.shape)}")
+        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.dtype, device=self.device,
+                    shape=tuple(k_cache.shape))
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new, v_new: expected both or neither")
+        if k_new is not None:
+            check_tensor("k_new", k_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+            check_tensor("v_new", v_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+        if out is None:
+            out = torch.empty_like(q)
+        else:
+            check_tensor("out", out, shape=(total_q, hq, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+        if plan.batch_size == 0 or total_q == 0:
+            return out
+        ext = plan.extend
+        if self.debug and ext is not None:
+            check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
+                                  capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
+        if plan.num_decodes > 0 and not plan.decode_via_extend:
+            nd = plan.num_decodes
+            self.decode.run(q[:nd], _as_slots("k_cache", k_cache), _as_slots("v_cache", v_cache), out=out[:nd])
+        if ext is not None:
+            run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=self.sm_scale, causal=True,
+                       sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+        return out
+
+
+def _as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """A [num_pages, page_size, Hkv, D] cache as [num_slots, Hkv, D] without a copy."""
+    if cache.dim() == 3:
+        return cache
+    try:
+        return cache.view(-1, cache.shape[2], cache.shape[3])
+    except RuntimeError as err:
+        raise ValueError(f"{name}: the decode rows need a cache that views as [num_slots, Hkv, D]; got shape "
+                         f"{tuple(cache.shape)} with strides {cache.stride()}") from err
+
+
+__all__ = ["MixedAttention", "MixedPlan"]

@@ -1,0 +1,528 @@
+"""Extend / prefill attention (evenkv.extend) and mixed batches (evenkv.mixed.MixedAttention).
+
+CPU lane (default): Triton interpreter, tiny shapes, fp16 (the interpreter's tl.dot is
+wrong on bf16, see helpers.lane_dtype; bf16 runs in the GPU lane). Tolerance rule:
+max|out - ref32| <= 2 * max|torch_lowp - ref32| + floor(dtype), where torch_lowp is
+extend_reference computed in the low dtype.
+GPU lane (``pytest -m gpu``): prompts up to 32K tokens on prefixes up to 32K, bf16.
+
+Caches are poisoned: slots a request does not own, slots past its seq_len and (SGLang
+layout) the slots of its new tokens hold NaN, and page-table entries past a request's
+pages hold an out-of-range page id, so reading anything the contract excludes shows.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evenkv.extend import ExtendConfig, extend
+from evenkv.kernels import extend_launch
+from evenkv.kernels.reference import extend_reference
+from evenkv.mixed import MixedAttention
+from helpers import TOLERANCE_FLOOR, lane_dtype
+
+# Small tiles so tiny batches still span several query blocks and KV tiles (and so
+# exercise the masked/unmasked tile split); the table's own configs run too.
+SMALL = ExtendConfig("test-m16-n16", block_m=16, block_n=16, num_warps=4, num_stages=2)
+SMALL32 = ExtendConfig("test-m32-n16", block_m=32, block_n=16, num_warps=4, num_stages=2)
+GARBAGE_PAGE = 10**8
+
+
+def make_batch(q_lens, prefixes, hq, hkv, d, page_size, dtype, device, *, new_layout=False, seed=0, scale=1.0):
+    """A varlen extend batch with pages in random order.
+
+    Returns dict(q [T, Hq, D], k_cache/v_cache [num_slots, Hkv, D], cu_seqlens_q [B+1] int32,
+    seq_lens [B] int32, page_table [B, max_pages] int32, k_new/v_new [T, Hkv, D] or None,
+    max_q_len). new_layout (SGLang): the cache slots of the new tokens hold NaN and
+    k_new/v_new carry them; otherwise (vLLM) the cache holds every token.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    pages = [math.ceil(s / page_size) for s in seq]
+    num_pages = sum(pages) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    page_table = torch.full((len(seq), max([1] + pages) + 1), GARBAGE_PAGE, dtype=torch.int32)
+    nan = float("nan")
+    k_cache = torch.full((num_pages * page_size, hkv, d), nan)
+    v_cache = torch.full((num_pages * page_size, hkv, d), nan)
+    used = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = perm[used:used + n].int()
+        used += n
+        valid = prefixes[b] if new_layout else seq[b]
+        tok = torch.arange(valid)
+        slots = page_table[b, tok // page_size].long() * page_size + tok % page_size
+        k_cache[slots] = torch.randn(valid, hkv, d, generator=gen)
+        v_cache[slots] = torch.randn(valid, hkv, d, generator=gen)
+    total_q = sum(q_lens)
+    q = torch.randn(total_q, hq, d, generator=gen) * scale
+    k_new = v_new = None
+    if new_layout:
+        k_new = torch.randn(total_q, hkv, d, generator=gen).to(dtype).to(device)
+        v_new = torch.randn(total_q, hkv, d, generator=gen).to(dtype).to(device)
+    cu = torch.tensor([0] + np.cumsum(q_lens).tolist(), dtype=torch.int32)
+    return dict(q=q.to(dtype).to(device), k_cache=k_cache.to(dtype).to(device), v_cache=v_cache.to(dtype).to(device),
+                cu_seqlens_q=cu.to(device), seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),
+                page_table=page_table.to(device), k_new=k_new, v_new=v_new, max_q_len=max([0] + list(q_lens)))
+
+
+def reference_pair(batch, page_size, **kw):
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], batch["cu_seqlens_q"], batch["seq_lens"],
+            batch["page_table"], page_size)
+    extra = dict(k_new=batch["k_new"], v_new=batch["v_new"], **kw)
+    ref = extend_reference(*args, **extra)
+    lowp = extend_reference(*args, compute_dtype=batch["q"].dtype, **extra)
+    return ref, lowp
+
+
+def assert_tolerance(out, ref, lowp, dtype, rows=None):
+    """max|out - ref32| <= 2 * max|torch_lowp - ref32| + floor, over `rows` (default: all)."""
+    if rows is not None:
+        out, ref, lowp = out[rows], ref[rows], lowp[rows]
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
+    base = (lowp.float() - ref).abs().max().item() if out.numel() else 0.0
+    bound = 2 * base + TOLERANCE_FLOOR[dtype]
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {dtype} error {base:.3e})"
+
+
+def run_extend(batch, page_size, **kw):
+    return extend(batch["q"], batch["k_cache"], batch["v_cache"], cu_seqlens_q=batch["cu_seqlens_q"],
+                  seq_lens=batch["seq_lens"], page_table=batch["page_table"], page_size=page_size,
+                  max_q_len=batch["max_q_len"], k_new=batch["k_new"], v_new=batch["v_new"], **kw)
+
+
+# Varlen batch with an empty request, a q_len-1 row, prefixes on and off page boundaries.
+Q_LENS = [5, 0, 37, 1, 19]
+PREFIXES = [0, 3, 21, 40, 16]
+
+# (G, Hkv, head_dim, page_size, new_layout, config)
+CASES = [
+    pytest.param(1, 2, 64, 16, False, SMALL, id="g1-d64-p16-vllm-small"),
+    pytest.param(4, 2, 128, 1, True, None, id="g4-d128-p1-sglang-table"),
+    pytest.param(7, 1, 64, 16, True, SMALL32, id="g7-d64-p16-sglang-small"),
+    pytest.param(8, 2, 128, 16, False, None, id="g8-d128-p16-vllm-table"),
+    pytest.param(5, 1, 96, 1, False, SMALL32, id="g5-d96-p1-vllm-small"),
+    pytest.param(2, 1, 256, 32, True, None, id="g2-d256-p32-sglang-table"),
+]
+
+
+@pytest.mark.parametrize("group,hkv,head_dim,page_size,new_layout,config", CASES)
+def test_extend_matches_reference(device, group, hkv, head_dim, page_size, new_layout, config):
+    dtype = lane_dtype(torch.bfloat16 if head_dim == 128 else torch.float16)
+    batch = make_batch(Q_LENS, PREFIXES, group * hkv, hkv, head_dim, page_size, dtype, device, new_layout=new_layout)
+    out = run_extend(batch, page_size, config=config)
+    ref, lowp = reference_pair(batch, page_size)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+@pytest.mark.parametrize("window,cap,new_layout,config", [
+    pytest.param(1, None, False, SMALL, id="w1"),
+    pytest.param(13, None, True, SMALL, id="w13-sglang"),
+    pytest.param(None, 1.5, False, None, id="cap"),
+    pytest.param(9, 2.0, True, SMALL32, id="w9-cap-sglang"),
+    pytest.param(40, None, False, SMALL, id="w40-wider-than-some-requests"),
+])
+def test_window_and_softcap(device, window, cap, new_layout, config):
+    dtype = torch.float16
+    # Larger scores so the soft-cap bites (|s| up to ~6 against caps of 1.5 and 2).
+    batch = make_batch([6, 30, 1], [0, 33, 17], 4, 2, 64, 16, dtype, device, new_layout=new_layout, seed=1, scale=2.0)
+    out = run_extend(batch, 16, sliding_window=window, logit_cap=cap, config=config)
+    ref, lowp = reference_pair(batch, 16, sliding_window=window, logit_cap=cap)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+@pytest.mark.parametrize("new_layout", [False, True], ids=["vllm", "sglang"])
+def test_non_causal(device, new_layout):
+    dtype = torch.float16
+    batch = make_batch([7, 20], [9, 0], 2, 1, 64, 16, dtype, device, new_layout=new_layout, seed=2)
+    out = run_extend(batch, 16, causal=False, config=SMALL)
+    ref, lowp = reference_pair(batch, 16, causal=False)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+def test_schedules_agree_bitwise(device):
+    """The schedule only reorders programs; each block's arithmetic is the same."""
+    batch = make_batch([3, 25, 9], [50, 0, 7], 4, 1, 64, 16, torch.float16, device, seed=3)
+    a = run_extend(batch, 16, config=SMALL, schedule="lpt")
+    b = run_extend(batch, 16, config=SMALL, schedule="ordered")
+    assert torch.equal(a, b)
+
+
+def test_strided_inputs(device):
+    """q / out row-strided, caches as vLLM's packed K|V halves ([pages, page, Hkv, 2D] split)
+    and as an HND view, page_table with a row stride wider than its columns."""
+    dtype, ps, hkv, d = torch.float16, 16, 2, 64
+    batch = make_batch([4, 21], [13, 0], 4, hkv, d, ps, dtype, device, seed=4)
+    ref, lowp = reference_pair(batch, ps)
+    num_pages = batch["k_cache"].shape[0] // ps
+    packed = torch.cat([batch["k_cache"], batch["v_cache"]], -1).view(num_pages, ps, hkv, 2 * d)
+    k4, v4 = packed[..., :d], packed[..., d:]
+    hnd = torch.stack([batch["k_cache"], batch["v_cache"]]).view(2, num_pages, ps, hkv, d).permute(0, 1, 3, 2, 4)
+    hnd = hnd.contiguous().permute(0, 1, 3, 2, 4)  # physical [2, pages, Hkv, page, D], logical [.., page, Hkv, D]
+    wide_q = torch.zeros(batch["q"].shape[0], 6, *batch["q"].shape[1:], dtype=dtype, device=device)
+    wide_q[:, 2] = batch["q"]
+    wide_pt = torch.full((2, batch["page_table"].shape[1] + 5), GARBAGE_PAGE, dtype=torch.int32, device=device)
+    wide_pt[:, :batch["page_table"].shape[1]] = batch["page_table"]
+    pt = wide_pt[:, :batch["page_table"].shape[1]]
+    for k_cache, v_cache in ((k4, v4), (hnd[0], hnd[1])):
+        out_buf = torch.full((batch["q"].shape[0], 3, *batch["q"].shape[1:]), float("nan"), dtype=dtype, device=device)
+        out = extend(wide_q[:, 2], k_cache, v_cache, cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+                     page_table=pt, page_size=ps, max_q_len=batch["max_q_len"], out=out_buf[:, 1], config=SMALL32)
+        assert out.data_ptr() == out_buf[:, 1].data_ptr()
+        assert_tolerance(out, ref, lowp, dtype)
+
+
+def test_int64_seq_lens_and_cu(device):
+    batch = make_batch([3, 8], [5, 0], 2, 1, 64, 1, torch.float16, device, seed=5)
+    out32 = run_extend(batch, 1)
+    batch64 = dict(batch, seq_lens=batch["seq_lens"].long(), cu_seqlens_q=batch["cu_seqlens_q"].long())
+    assert torch.equal(run_extend(batch64, 1), out32)
+
+
+def test_empty_inputs(device):
+    dtype = torch.float16
+    q = torch.randn(0, 4, 64, dtype=dtype, device=device)
+    cache = torch.randn(32, 2, 64, dtype=dtype, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    out = extend(q, cache, cache, cu_seqlens_q=torch.zeros(1, **i32), seq_lens=torch.zeros(0, **i32),
+                 page_table=torch.zeros(0, 4, **i32), page_size=16, max_q_len=0)
+    assert out.shape == (0, 4, 64)
+    # Requests with q_len 0 only (and padded q rows past cu_seqlens_q[-1], left untouched).
+    q = torch.randn(3, 4, 64, dtype=dtype, device=device)
+    out = torch.full_like(q, 7.0)
+    extend(q, cache, cache, cu_seqlens_q=torch.zeros(3, **i32), seq_lens=torch.tensor([5, 0], **i32),
+           page_table=torch.zeros(2, 1, **i32), page_size=16, max_q_len=1, out=out)
+    assert (out == 7.0).all()
+
+
+def test_padding_rows_untouched(device):
+    batch = make_batch([4, 6], [3, 0], 2, 1, 64, 16, torch.float16, device, seed=6)
+    q = torch.cat([batch["q"], torch.randn(5, 2, 64, dtype=torch.float16, device=device)])
+    out = torch.full_like(q, 7.0)
+    extend(q, batch["k_cache"], batch["v_cache"], cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"],
+           page_table=batch["page_table"], page_size=16, max_q_len=6, out=out)
+    assert (out[10:] == 7.0).all()
+    ref, lowp = reference_pair(batch, 16)
+    assert_tolerance(out[:10], ref, lowp, torch.float16)
+
+
+# -- the plan (request order and block offsets) --------------------------------------
+
+
+def plan_oracle(q_lens, seq_lens, req_begin, group, block_m, lpt):
+    """numpy mirror of extend_plan_kernel: (order, sorted_start)."""
+    blocks = [(-(-n * group // block_m) if b >= req_begin else 0) for b, n in enumerate(q_lens)]
+    keys = [(s if lpt else 0) if n > 0 else -1 for s, n in zip(seq_lens, blocks)]
+    order = sorted(range(len(q_lens)), key=lambda i: (-keys[i], i))
+    starts = np.concatenate([[0], np.cumsum([blocks[i] for i in order])[:-1]]).astype(np.int64)
+    return np.array(order), starts
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_plan_matches_oracle(device, data):
+    batch = data.draw(st.integers(1, 70))
+    q_lens = data.draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
+    seq_lens = [n + data.draw(st.integers(0, 5000)) for n in q_lens]
+    req_begin = data.draw(st.integers(0, batch))
+    group = data.draw(st.sampled_from([1, 2, 5, 7, 8, 16]))
+    block_m = data.draw(st.sampled_from([16, 64, 128]))
+    lpt = data.draw(st.booleans())
+    i32 = dict(dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + np.cumsum(q_lens).tolist(), **i32)
+    order = torch.full((batch,), -1, **i32)
+    starts = torch.full((batch,), -1, **i32)
+    extend_launch.launch_extend_plan(cu, torch.tensor(seq_lens, **i32), order, starts, req_begin=req_begin,
+                                     group_size=group, block_m=block_m, lpt=lpt)
+    want_order, want_starts = plan_oracle(q_lens, seq_lens, req_begin, group, block_m, lpt)
+    np.testing.assert_array_equal(order.cpu().numpy(), want_order)
+    np.testing.assert_array_equal(starts.cpu().numpy(), want_starts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(q_lens=st.lists(st.integers(0, 5000), min_size=1, max_size=40), pad=st.integers(0, 100),
+       group=st.sampled_from([1, 4, 5, 7, 8, 16]), block_m=st.sampled_from([16, 32, 64, 128]))
+def test_grid_bound_covers_every_block(q_lens, pad, group, block_m):
+    blocks = sum(-(-n * group // block_m) for n in q_lens)
+    bound = extend_launch.num_query_blocks_bound(sum(q_lens) + pad, len(q_lens), max(q_lens), group, block_m)
+    assert blocks <= bound
+
+
+# -- mixed batches -------------------------------------------------------------------
+
+
+def mixed_attention(device, batch, hq, hkv, d, ps, dtype, **kw):
+    return MixedAttention(hq, hkv, d, ps, dtype, device, max_batch_size=8,
+                          max_pages_per_request=batch["page_table"].shape[1], **kw)
+
+
+@pytest.mark.parametrize("num_decodes,q_lens,prefixes", [
+    pytest.param(3, [1, 1, 1, 12, 5], [40, 7, 0, 9, 30], id="3-decodes-2-prefills"),
+    pytest.param(4, [1, 1, 1, 1], [33, 2, 17, 60], id="decode-only"),
+    pytest.param(0, [9, 2], [0, 21], id="extend-only"),
+])
+def test_mixed_matches_reference(device, num_decodes, q_lens, prefixes):
+    dtype, hq, hkv, d, ps = torch.float16, 8, 2, 64, 16
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, device, seed=7)
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, extend_config=SMALL)
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=num_decodes,
+                     max_q_len=max(q_lens[num_decodes:], default=1))
+    assert plan.num_decodes == num_decodes and not plan.decode_via_extend
+    assert (plan.extend is None) == (num_decodes == len(q_lens))
+    ref, lowp = reference_pair(batch, ps)
+    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    assert_tolerance(out, ref, lowp, dtype)
+    # Same plan, next layer: new q, same metadata.
+    q2 = torch.randn_like(batch["q"])
+    out2 = attn.run(q2, batch["k_cache"], batch["v_cache"])
+    ref2, lowp2 = reference_pair(dict(batch, q=q2), ps)
+    assert_tolerance(out2, ref2, lowp2, dtype)
+
+
+def test_mixed_sglang_layout_and_4d_cache(device):
+    """Decode rows read the cache (which holds their token); extend rows take k_new/v_new."""
+    dtype, hq, hkv, d, ps = torch.float16, 4, 1, 64, 16
+    q_lens, prefixes = [1, 1, 7, 3], [20, 5, 11, 0]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, device, new_layout=True, seed=8)
+    # The decode rows' own token is in the cache (SGLang writes every new token first).
+    for b in range(2):
+        pos = prefixes[b]
+        slot = int(batch["page_table"][b, pos // ps]) * ps + pos % ps
+        batch["k_cache"][slot] = batch["k_new"][b]
+        batch["v_cache"][slot] = batch["v_new"][b]
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, extend_config=SMALL)
+    attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=7)
+    k4 = batch["k_cache"].view(-1, ps, hkv, d)
+    v4 = batch["v_cache"].view(-1, ps, hkv, d)
+    out = attn.run(batch["q"], k4, v4, k_new=batch["k_new"], v_new=batch["v_new"])
+    ref, lowp = reference_pair(batch, ps)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+def test_mixed_window_runs_decode_rows_in_extend(device):
+    dtype, hq, hkv, d, ps = torch.float16, 4, 2, 64, 16
+    batch = make_batch([1, 1, 10], [30, 3, 12], hq, hkv, d, ps, dtype, device, seed=9, scale=2.0)
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, sliding_window=8, logit_cap=2.0,
+                           extend_config=SMALL)
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=10)
+    assert plan.decode_via_extend and plan.extend.req_begin == 0
+    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    ref, lowp = reference_pair(batch, ps, sliding_window=8, logit_cap=2.0)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+# -- bad inputs ------------------------------------------------------------------------
+
+
+def _bad_cases():
+    """(id, mutation of the kwargs, exception, fragment of the message)."""
+    def f16(x):
+        return x.to(torch.float16)
+    return [
+        ("q-not-tensor", lambda a: a.update(q=[1.0]), TypeError, "q"),
+        ("q-fp32", lambda a: a.update(q=a["q"].float()), TypeError, "q"),
+        ("q-2d", lambda a: a.update(q=a["q"][:, 0]), ValueError, "q"),
+        ("q-last-dim-strided", lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+         ValueError, "q"),
+        ("head-dim-192", lambda a: a.update(q=torch.zeros(a["q"].shape[0], 4, 192, dtype=torch.float16),
+                                            k_cache=torch.zeros(32, 2, 192, dtype=torch.float16),
+                                            v_cache=torch.zeros(32, 2, 192, dtype=torch.float16)),
+         NotImplementedError, "head_dim"),
+        ("k-dtype", lambda a: a.update(k_cache=a["k_cache"].to(torch.bfloat16)), TypeError, "k_cache"),
+        ("v-shape", lambda a: a.update(v_cache=a["v_cache"][:-1]), ValueError, "v_cache"),
+        ("k-head-dim", lambda a: a.update(k_cache=a["k_cache"][..., :32]), ValueError, "k_cache"),
+        ("heads-not-multiple", lambda a: a.update(q=f16(torch.zeros(a["q"].shape[0], 3, 64))), ValueError, "Hq"),
+        ("k-4d-wrong-page", lambda a: a.update(k_cache=a["k_cache"].view(-1, 8, 2, 64)), ValueError, "k_cache"),
+        ("cu-shape", lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][:-1]), ValueError, "cu_seqlens_q"),
+        ("cu-float", lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].float()), TypeError, "cu_seqlens_q"),
+        ("seq-lens-2d", lambda a: a.update(seq_lens=a["seq_lens"][:, None]), ValueError, "seq_lens"),
+        ("page-table-int64", lambda a: a.update(page_table=a["page_table"].long()), TypeError, "page_table"),
+        ("page-table-rows", lambda a: a.update(page_table=a["page_table"][:1]), ValueError, "page_table"),
+        ("page-size-12", lambda a: a.update(page_size=12), ValueError, "page_size"),
+        ("max-q-len-float", lambda a: a.update(max_q_len=4.0), TypeError, "max_q_len"),
+        ("max-q-len-negative", lambda a: a.update(max_q_len=-1), ValueError, "max_q_len"),
+        ("k-new-alone", lambda a: a.update(k_new=torch.zeros(a["q"].shape[0], 2, 64, dtype=torch.float16)),
+         ValueError, "k_new"),
+        ("k-new-shape", lambda a: a.update(k_new=torch.zeros(1, 2, 64, dtype=torch.float16),
+                                           v_new=torch.zeros(1, 2, 64, dtype=torch.float16)), ValueError, "k_new"),
+        ("window-negative", lambda a: a.update(sliding_window=-2), ValueError, "sliding_window"),
+        ("window-float", lambda a: a.update(sliding_window=4.0), TypeError, "sliding_window"),
+        ("window-non-causal", lambda a: a.update(sliding_window=4, causal=False), NotImplementedError,
+         "sliding_window"),
+        ("cap-negative", lambda a: a.update(logit_cap=-1.0), ValueError, "logit_cap"),
+        ("cap-inf", lambda a: a.update(logit_cap=math.inf), ValueError, "logit_cap"),
+        ("scale-zero", lambda a: a.update(sm_scale=0.0), ValueError, "sm_scale"),
+        ("causal-int", lambda a: a.update(causal=1), TypeError, "causal"),
+        ("out-shape", lambda a: a.update(out=torch.zeros(1, 4, 64, dtype=torch.float16)), ValueError, "out"),
+        ("schedule", lambda a: a.update(schedule="random"), ValueError, "schedule"),
+    ]
+
+
+@pytest.mark.parametrize("mutate,exc,fragment", [pytest.param(m, e, f, id=i) for i, m, e, f in _bad_cases()])
+def test_bad_inputs_raise(mutate, exc, fragment):
+    batch = make_batch([3, 2], [4, 0], 4, 2, 64, 16, torch.float16, "cpu")
+    args = dict(q=batch["q"], k_cache=batch["k_cache"], v_cache=batch["v_cache"], cu_seqlens_q=batch["cu_seqlens_q"],
+                seq_lens=batch["seq_lens"], page_table=batch["page_table"], page_size=16, max_q_len=3)
+    mutate(args)
+    with pytest.raises(exc, match=fragment):
+        extend(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+
+
+def test_debug_checks_lengths():
+    batch = make_batch([3, 2], [4, 0], 4, 2, 64, 16, torch.float16, "cpu")
+    args = dict(cu_seqlens_q=batch["cu_seqlens_q"], page_table=batch["page_table"], page_size=16, debug=True)
+    qkv = (batch["q"], batch["k_cache"], batch["v_cache"])
+    with pytest.raises(ValueError, match="max_q_len"):
+        extend(*qkv, seq_lens=batch["seq_lens"], max_q_len=2, **args)
+    with pytest.raises(ValueError, match="seq_lens"):
+        extend(*qkv, seq_lens=torch.tensor([7, 1], dtype=torch.int32), max_q_len=3, **args)
+    with pytest.raises(ValueError, match="capacity"):
+        extend(*qkv, seq_lens=torch.tensor([7, 500], dtype=torch.int32), max_q_len=3, **args)
+
+
+def test_mixed_bad_plan(device):
+    batch = make_batch([1, 4], [3, 0], 4, 2, 64, 16, torch.float16, device)
+    attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16)
+    with pytest.raises(ValueError, match="num_decodes"):
+        attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=3, max_q_len=4)
+    with pytest.raises(RuntimeError, match="plan"):
+        attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    with pytest.raises(ValueError, match="head_dim|num_q_heads"):
+        MixedAttention(4, 3, 64, 16, torch.float16, device, 4, 4)
+
+
+# -- GPU lane: realistic shapes ------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")
+
+
+@pytest.fixture
+def no_tf32():
+    """The fp32 oracle must be real fp32."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _gpu_check(batch, ps, dtype, rows=None, **kw):
+    out = run_extend(batch, ps, **kw)
+    for knob in ("config", "schedule", "arch"):
+        kw.pop(knob, None)
+    ref, lowp = reference_pair(batch, ps, max_scores=1 << 28, **kw)
+    assert_tolerance(out, ref, lowp, dtype, rows=rows)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("prompt,prefix", [(32768, 0), (8192, 32768), (32768, 32768), (512, 32768)])
+@pytest.mark.parametrize("page_size,new_layout", [(16, False), (1, True)], ids=["vllm-p16", "sglang-p1"])
+def test_gpu_long_prefill(no_tf32, prompt, prefix, page_size, new_layout):
+    """Qwen3-30B-A3B attention (Hq 32, Hkv 4, D 128, bf16), one long request."""
+    batch = make_batch([prompt], [prefix], 32, 4, 128, page_size, torch.bfloat16, "cuda", new_layout=new_layout)
+    _gpu_check(batch, page_size, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("group,hkv,head_dim,dtype", [
+    (1, 8, 64, torch.bfloat16), (5, 2, 128, torch.float16), (7, 1, 128, torch.bfloat16),
+    (16, 2, 128, torch.bfloat16), (2, 4, 256, torch.bfloat16), (4, 2, 96, torch.float16), (8, 1, 80, torch.bfloat16),
+])
+@pytest.mark.parametrize("schedule", ["lpt", "ordered"])
+def test_gpu_skewed_varlen(no_tf32, group, hkv, head_dim, dtype, schedule):
+    """A chunked-prefill batch: a long chunk on a long prefix next to short prompts,
+    a decode-like row, a spec-verify row and an empty request."""
+    q_lens = [2048, 1, 513, 0, 4, 8192, 17]
+    prefixes = [32768, 40000, 0, 100, 3000, 1000, 5]
+    batch = make_batch(q_lens, prefixes, group * hkv, hkv, head_dim, 16, dtype, "cuda", seed=11)
+    _gpu_check(batch, 16, dtype, schedule=schedule)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("new_layout", [False, True], ids=["vllm", "sglang"])
+def test_gpu_window_softcap(no_tf32, arch, new_layout):
+    """Gemma-2-like: D 256, G 2, window 4096, soft-cap 50, over an 8K chunk on a 4K prefix."""
+    batch = make_batch([8192, 300], [4096, 9000], 16, 8, 256, 16, torch.bfloat16, "cuda", new_layout=new_layout,
+                       seed=12, scale=3.0)
+    _gpu_check(batch, 16, torch.bfloat16, sliding_window=4096, logit_cap=50.0, arch=arch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_int64_offsets(no_tf32):
+    """A cache of more than 2**31 elements with the request's pages at its far end."""
+    hkv, d, ps = 8, 128, 16
+    num_pages = (2**31 // (hkv * d)) // ps + 64
+    dtype, dev = torch.bfloat16, "cuda"
+    k_cache = torch.empty(num_pages * ps, hkv, d, dtype=dtype, device=dev)
+    v_cache = torch.empty(num_pages * ps, hkv, d, dtype=dtype, device=dev)
+    q_len, prefix = 300, 400
+    seq = q_len + prefix
+    pages = torch.arange(num_pages - math.ceil(seq / ps), num_pages, dtype=torch.int32, device=dev)
+    page_table = pages[None]
+    tok = torch.arange(seq, device=dev)
+    slots = pages[tok // ps].long() * ps + tok % ps
+    k_cache[slots] = torch.randn(seq, hkv, d, device=dev).to(dtype)
+    v_cache[slots] = torch.randn(seq, hkv, d, device=dev).to(dtype)
+    # The request's q rows start past 2**31 elements of q too (cu_seqlens_q[0] > 0).
+    first = 2**31 // (32 * d) + 8
+    q = torch.empty(first + q_len + 8, 32, d, dtype=dtype, device=dev)
+    q[first:first + q_len] = torch.randn(q_len, 32, d, device=dev).to(dtype)
+    batch = dict(q=q, k_cache=k_cache, v_cache=v_cache,
+                 cu_seqlens_q=torch.tensor([first, first + q_len], dtype=torch.int32, device=dev),
+                 seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev), page_table=page_table, k_new=None,
+                 v_new=None, max_q_len=q_len)
+    _gpu_check(batch, ps, dtype, rows=slice(first, first + q_len))
+    del k_cache, v_cache, q
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_mixed_batch_and_graph(no_tf32):
+    """vLLM-ordered mixed batch (decode rows first), then a decode-only batch captured in a
+    CUDA graph and replayed on changed lengths."""
+    hq, hkv, d, ps, dtype = 32, 4, 128, 16, torch.bfloat16
+    q_lens = [1] * 48 + [2048, 300, 7]
+    prefixes = [int(x) for x in torch.randint(1, 9000, (48,), generator=torch.Generator().manual_seed(0))]
+    prefixes += [16000, 0, 4000]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=13)
+    attn = MixedAttention(hq, hkv, d, ps, dtype, "cuda", max_batch_size=64,
+                          max_pages_per_request=batch["page_table"].shape[1])
+    attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=48, max_q_len=2048)
+    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    ref, lowp = reference_pair(batch, ps, max_scores=1 << 28)
+    assert_tolerance(out, ref, lowp, dtype)
+
+    # Decode-only graph: persistent metadata buffers, refilled in place before each replay.
+    nd = 48
+    cu = batch["cu_seqlens_q"][:nd + 1].clone()
+    seq_lens = batch["seq_lens"][:nd].clone()
+    page_table = batch["page_table"][:nd].clone()
+    q = batch["q"][:nd].clone()
+    out = torch.empty_like(q)
+    attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
+    attn.run(q, batch["k_cache"], batch["v_cache"], out=out)  # warm up (compile) outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
+        attn.run(q, batch["k_cache"], batch["v_cache"], out=out)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        new_lens = torch.randint(1, 9000, (nd,), generator=gen).to(torch.int32)
+        new_lens = torch.minimum(new_lens, torch.tensor(prefixes[:nd]) + 1).to(torch.int32)
+        seq_lens.copy_(new_lens.cuda())
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        sub = dict(batch, q=q, cu_seqlens_q=cu, seq_lens=seq_lens, page_table=page_table, max_q_len=1)
+        ref, lowp = reference_pair(sub, ps, max_scores=1 << 28)
+        assert_tolerance(out, ref, lowp, dtype)
