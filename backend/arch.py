@@ -40,12 +40,17 @@ class DecodeConfig:
     merge_num_warps: int = 4
 
 
-# Provenance: first tables, sized by the Hopper/Ampere shared-memory budget
-# (K+V tile of 64 x 128 bf16 = 32 KiB per stage); to be replaced by H200 measurements.
+# Provenance: benchmarks/tune_decode.py on one H200 (2026-11-30), balanced policy,
+# Qwen3-30B-A3B attention, T = 262144, B in {1, 8, 64, 512, 2048}, Uniform and Skewed80,
+# page 16 and 1; 36 candidates (block_n 32/64/128 x warps 4/8 x stages 2/3/4 x cap 2/4).
+# sm90 = the candidate with the best worst point over both page sizes after the best
+# (bn32-w4-s4-c4), which it beats on the sum over points. sm80 keeps Ampere's usual two
+# cp.async stages and two CTAs per SM (A100: 164 KiB shared memory, 108 SMs); it runs on
+# Hopper too, measured slower there. head_dim 256: half the tile, unmeasured yet.
 _TABLES = {
     "sm80": {
-        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=4, segment_overhead=1),
-        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=4, segment_overhead=1),
+        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
+        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
     },
     "sm90": {
         "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),

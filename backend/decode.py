@@ -234,7 +234,7 @@ class DecodeAttention:
                                         s.plan_scalars, scale,
                                         s.num_ctas, self.page_size, self.config)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
-                                       s.plan_scalars, hkv, self.config)
+                                       s.active_req, s.cta_first_req, s.plan_scalars, s.num_ctas, hkv, self.config)
         elif self.policy == "fa3":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,

@@ -86,7 +86,7 @@ def _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l,
     safe_l = tl.where(l > 0, l, 1.0)
     o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + offs_g[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
+    ptrs = out_ptr + tl.cast(b, tl.int64) * stride_ob + tl.cast(h * G + offs_g[:, None], tl.int64) * stride_oh + offs_d[None, :]
     tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -107,7 +107,7 @@ def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
     seq_lens_ptr, page_table_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr, plan_scalars_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, sm_scale_log2,
+    stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
@@ -128,6 +128,14 @@ def decode_stream_kernel(
     piece = tl.load(plan_scalars_ptr)
     total = tl.load(plan_scalars_ptr + 1)
     num_active = tl.load(plan_scalars_ptr + 2)
+    # Empty requests (seq_len 0: padded graph rows) are on no CTA's cost range; CTA c
+    # writes zeros for requests c, c + C, ... among them.
+    zero_acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    zero_l = tl.zeros([G_PAD], tl.float32)
+    for r in range(cta, batch_size, tl.num_programs(0)):
+        if tl.load(seq_lens_ptr + r) == 0:
+            for hz in range(NUM_KV_HEADS):
+                _store_rows(out_ptr, stride_ob, stride_oh, r, hz, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
     k = tl.load(cta_first_req_ptr + cta)
@@ -167,23 +175,23 @@ def decode_stream_kernel(
 
 
 @triton.jit
-def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
+def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
                  first, count, slot_a, slot_c, slot_first_extra,
-                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Merge partials i = first .. first+count-1 stored at slot a*i + c (+extra for i == first).
+                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Merge columns [col0, col0 + BLOCK_COLS) of partials i = first .. first+count-1,
+    stored at slot a*i + c (+extra for i == first).
 
-    Vectorised over BLOCK_P partials at a time on a [BLOCK_P, G*HEAD_DIM] tile (column
-    j = query row j // HEAD_DIM, dim j % HEAD_DIM), so a request cut into many pieces
-    costs a few dependent loads, not one per piece. Base-2 LSE; the result depends only
-    on the set of partials, not on which CTA finished first.
+    Column j of a partial is query row j // HEAD_DIM, dim j % HEAD_DIM. Vectorised over
+    BLOCK_P partials at a time, so a request cut into many pieces costs a few dependent
+    loads, not one per piece. Base-2 LSE; the result depends only on the partials.
     """
     offs_p = tl.arange(0, BLOCK_P)
-    offs_j = tl.arange(0, BLOCK_GD)
+    offs_j = col0 + tl.arange(0, BLOCK_COLS)
     row = offs_j // HEAD_DIM
     mask_j = offs_j < G * HEAD_DIM
-    m = tl.full([BLOCK_GD], float("-inf"), tl.float32)
-    weight = tl.zeros([BLOCK_GD], tl.float32)
-    acc = tl.zeros([BLOCK_GD], tl.float32)
+    m = tl.full([BLOCK_COLS], float("-inf"), tl.float32)
+    weight = tl.zeros([BLOCK_COLS], tl.float32)
+    acc = tl.zeros([BLOCK_COLS], tl.float32)
     for p0 in range(first, first + count, BLOCK_P):
         i = p0 + offs_p
         mask_p = i < first + count
@@ -205,32 +213,36 @@ def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
 
 @triton.jit
 def merge_stream_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr, plan_scalars_ptr,
-    stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEGMENT_OVERHEAD: tl.constexpr, BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr,
+    plan_scalars_ptr, stride_ob, stride_oh,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENT_OVERHEAD: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """One program per segment (b, h): merge it if the balanced partition cut it, and
-    write zeros for an empty request (seq_len 0: padded rows, which no CTA visits)."""
-    seg = tl.program_id(0)
-    b = seg // NUM_KV_HEADS
-    h = seg % NUM_KV_HEADS
-    seq_len = tl.load(seq_lens_ptr + b)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    if n_tiles == 0:
-        zero = tl.zeros([G_PAD], tl.float32)
-        _store_rows(out_ptr, stride_ob, stride_oh, b, h, tl.zeros([G_PAD, BLOCK_D], tl.float32), zero,
-                    G, G_PAD, HEAD_DIM, BLOCK_D)
-    else:
-        piece = tl.load(plan_scalars_ptr)
-        seg_lo = tl.load(req_cost_start_ptr + b) + h * (n_tiles + SEGMENT_OVERHEAD)
-        first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
-        last_cta = (seg_lo + SEGMENT_OVERHEAD + n_tiles - 1) // piece
-        if last_cta > first_cta:
+    """Grid (C, column chunks). Program j merges the segment that CTA boundary j*piece
+    cuts, if j is the first boundary inside that segment's tiles: one program per cut
+    segment, whatever the batch size (a segment-indexed grid would be mostly idle at
+    large B, and serial over pieces at small B)."""
+    j = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_COLS
+    piece = tl.load(plan_scalars_ptr)
+    num_active = tl.load(plan_scalars_ptr + 2)
+    x = j * piece
+    k = tl.load(cta_first_req_ptr + j)
+    if (j > 0) & (k < num_active):
+        b = tl.load(active_req_ptr + k)
+        n_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
+        seg_cost = n_tiles + SEGMENT_OVERHEAD
+        req_lo = tl.load(req_cost_start_ptr + b)
+        h = (x - req_lo) // seg_cost
+        first_tile = req_lo + h * seg_cost + SEGMENT_OVERHEAD
+        # Boundary x cuts the tile run [first_tile, first_tile + n) iff first_tile < x < first_tile + n;
+        # the previous boundary x - piece must not (so exactly one program merges it).
+        if (first_tile < x) & (x < first_tile + n_tiles) & (x - piece <= first_tile):
+            first_cta = first_tile // piece
+            last_cta = (first_tile + n_tiles - 1) // piece
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
-                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_GD, BLOCK_P)
+            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
+                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_COLS, BLOCK_P)
 
 
 @triton.jit
@@ -302,15 +314,16 @@ def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr,
     stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_GD: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """One program per segment (b, h): merge the splits of a request that has more than
+    """Grid (B * Hkv, column chunks): merge the splits of a request that has more than
     one; split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h."""
     seg = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_COLS
     b = seg // NUM_KV_HEADS
     h = seg % NUM_KV_HEADS
     num_splits = tl.load(req_splits_ptr + b)
     if num_splits > 1:
         base = tl.load(req_split_base_ptr + b)
-        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
-                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_GD, BLOCK_P)
+        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
+                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_COLS, BLOCK_P)

@@ -16,8 +16,10 @@ from .plan import plan_stream_kernel
 # chunks of PLAN_BLOCK_B requests (a [64, 256] compare tile per step).
 PLAN_BLOCK_C = 64
 PLAN_BLOCK_B = 256
-# Elements of the merge kernel's [partials, G * D] tile: 32 fp32 per thread at 4 warps.
+# The merge kernel's tile: [MERGE_TILE // MERGE_COLS partials, MERGE_COLS columns],
+# 32 fp32 per thread at 4 warps.
 MERGE_TILE = 4096
+MERGE_COLS = 256
 
 
 def group_rows(group_size: int) -> int:
@@ -30,11 +32,11 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-def _merge_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
-    """The merge works on [BLOCK_P partials, G * D] tiles of about MERGE_TILE elements."""
-    block_gd = triton.next_power_of_2(group_size * head_dim)
-    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, HEAD_DIM=head_dim, BLOCK_GD=block_gd,
-                BLOCK_P=max(2, MERGE_TILE // block_gd))
+def _merge_constants(group_size: int, head_dim: int) -> dict:
+    """The merge splits the G * D columns of a segment into chunks of MERGE_COLS (one
+    program each) and reduces [BLOCK_P partials, MERGE_COLS] tiles of MERGE_TILE elements."""
+    cols = min(MERGE_COLS, triton.next_power_of_2(group_size * head_dim))
+    return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_COLS=cols, BLOCK_P=MERGE_TILE // cols)
 
 
 def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
@@ -61,21 +63,21 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, p
     return decode_stream_kernel[(num_ctas,)](
         q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table, req_cost_start, active_req,
         cta_first_req, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
-        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        q.shape[0], **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps)
 
 
-def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, num_kv_heads: int, config):
-    """One program per (request, KV head) of ``out [B, Hq, D]``."""
-    batch, num_q_heads, head_dim = out.shape
-    group = num_q_heads // num_kv_heads
-    merge_stream_kernel[(batch * num_kv_heads,)](
-        o_part, lse_part, out, seq_lens, req_cost_start, plan_scalars, out.stride(0), out.stride(1),
-        **_shape_constants(num_kv_heads, group, head_dim),
-        BLOCK_GD=_merge_constants(num_kv_heads, group, head_dim)["BLOCK_GD"],
-        BLOCK_P=_merge_constants(num_kv_heads, group, head_dim)["BLOCK_P"],
-        BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.merge_num_warps)
+def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
+                        num_ctas: int, num_kv_heads: int, config):
+    """Grid (C, column chunks): one program per CTA boundary (see merge_stream_kernel)."""
+    group = out.shape[1] // num_kv_heads
+    consts = _merge_constants(group, out.shape[2])
+    grid = (num_ctas, triton.cdiv(group * out.shape[2], consts["BLOCK_COLS"]))
+    merge_stream_kernel[grid](
+        o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
+        out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
+        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.merge_num_warps, **consts)
 
 
 def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
@@ -94,10 +96,11 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, pa
 
 def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, config):
     batch, num_q_heads, head_dim = out.shape
-    merge_units_kernel[(batch * num_kv_heads,)](
+    group = num_q_heads // num_kv_heads
+    consts = _merge_constants(group, head_dim)
+    merge_units_kernel[(batch * num_kv_heads, triton.cdiv(group * head_dim, consts["BLOCK_COLS"]))](
         o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
-        **_merge_constants(num_kv_heads, num_q_heads // num_kv_heads, head_dim),
-        num_warps=config.merge_num_warps)
+        NUM_KV_HEADS=num_kv_heads, num_warps=config.merge_num_warps, **consts)
 
 
 def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping):

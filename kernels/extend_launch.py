@@ -12,9 +12,9 @@ import triton
 from .extend import LOG2E, extend_kernel, extend_plan_kernel
 
 # The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
-# time (a [64, 256] compare tile per step, as the decode prepare kernel).
+# time (a [64, 128] compare tile per step).
 PLAN_BLOCK_I = 64
-PLAN_BLOCK_J = 256
+PLAN_BLOCK_J = 128
 # The extend kernel counts sorted starts in chunks of this many requests (fixed, so the
 # batch size never triggers a recompile; larger batches loop).
 SEARCH_BLOCK = 256

@@ -100,3 +100,20 @@ def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
             if last > first:
                 reads[(b, h)] = [2 * c + int(c == first) for c in range(first, last + 1)]
     return reads
+
+
+def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead):
+    """Segments merged by each program j of merge_stream_kernel (its selection rule): [(b, h)]."""
+    piece, active, first_req = plan["piece"], plan["active_req"], plan["cta_first_req"]
+    merged = []
+    for j in range(1, num_ctas):
+        x, k = j * piece, int(first_req[j])
+        if k >= len(active):
+            continue
+        b = int(active[k])
+        n = int(cdiv(plan["seq_lens"][b], block_n))
+        h = (x - int(plan["req_cost_start"][b])) // (n + overhead)
+        first_tile = int(plan["req_cost_start"][b]) + h * (n + overhead) + overhead
+        if first_tile < x < first_tile + n and x - piece <= first_tile:
+            merged.append((b, h))
+    return merged

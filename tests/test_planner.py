@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from planner_oracle import fa3_plan, simulate_stream, stream_merge_reads, stream_plan
+from planner_oracle import fa3_plan, simulate_stream, stream_merge_programs, stream_merge_reads, stream_plan
 
 BLOCK_N = evenkv.decode_config("sm90", 128).block_n
 
@@ -60,6 +60,9 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
             written.setdefault((b, h), []).append(slot)
     reads = stream_merge_reads(want, num_kv_heads, cfg.block_n, cfg.segment_overhead)
     assert {k: sorted(v) for k, v in written.items()} == {k: sorted(v) for k, v in reads.items()}
+    # merge_stream_kernel's boundary-indexed programs pick every cut segment exactly once.
+    programs = stream_merge_programs(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    assert sorted(programs) == sorted(reads)
     slots = [s for v in written.values() for s in v]
     assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
     # Segments written whole + segments merged = every non-empty segment, each once.
