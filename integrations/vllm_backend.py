@@ -385,6 +385,8 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         """key, value [T, Hkv, D] -> cache slots ``slot_mapping`` [N] (N <= T; -1 = padding, skipped)."""
         from evenkv.decode import write_kv
 
+        if kv_cache.numel() == 0:  # the placeholder a layer holds before vLLM binds its cache
+            return
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
         n = min(slot_mapping.shape[0], key.shape[0])
         write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n])
