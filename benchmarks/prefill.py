@@ -10,7 +10,8 @@ same cached prefix: prompts 512 / 2048 / 8192, prefixes 0 / 8192 / 32768, batche
 order of work matters (evenkv ``lpt`` vs ``ordered``).
 
 Implementations (``--impls``; a missing peer is skipped with the reason printed):
-  evenkv-lpt, evenkv-ordered   evenkv.extend's kernel through a reused ExtendPlan
+  evenkv-lpt, evenkv-ordered   evenkv.extend's kernel through a reused ExtendPlan (``ordered``
+                               runs on skewed points only: on uniform ones it is the same launch)
   fa3                          vllm.vllm_flash_attn.flash_attn_varlen_func(..., block_table,
                                fa_version=3) with get_scheduler_metadata precomputed
   flashinfer-fa2, flashinfer-auto
@@ -424,6 +425,8 @@ def run(args):
                     log("  " + (text.strip().splitlines() or ["(no output)"])[-1])
                 builds = []
             for idx, point in enumerate(points):
+                if isinstance(impl, EvenKV) and impl.schedule == "ordered" and point.scenario == "uniform":
+                    continue  # equal seq_lens: LPT order is request order, the same launch
                 row = dict(impl=impl.family, variant=impl.variant, scenario=point.scenario, batch=point.batch,
                            prompt=max(point.prompts), prefix=max(point.prefixes), page_size=args.page_size,
                            num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=args.dtype, versions=versions,
