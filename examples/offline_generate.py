@@ -175,11 +175,18 @@ def vllm_run(llm, prompts, max_tokens: int, logprobs: bool) -> dict:
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                         logprobs=1 if logprobs else None, output_kind=RequestOutputKind.DELTA)
-    # LLM.enqueue renders and adds the requests as LLM.generate does, without running them.
-    # It returns vLLM's internal ids ("<id>-<random>"); outputs carry the external "<id>".
+    # Requests go straight to the engine: LLM.generate/enqueue force FINAL_ONLY outputs, and
+    # the per-step (DELTA) outputs are what tell a decode step from a prefill step. The
+    # prompt is rendered as LLM.generate renders it where that (private) helper exists
+    # (vLLM 0.26 and 0.33), else handed over raw (a token prompt needs no rendering).
+    render = getattr(llm, "_preprocess_cmpl_one", None)
     ids = {}
-    for i, rid in enumerate(llm.enqueue([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)):
-        ids[rid] = ids[rid.rsplit("-", 1)[0]] = i
+    tag = time.time_ns()
+    for i, p in enumerate(prompts):
+        rid = f"p{i}-{tag}"
+        prompt = {"prompt_token_ids": p}
+        internal = engine.add_request(rid, render(prompt) if render else prompt, sp)
+        ids[rid] = ids[internal] = i  # outputs carry rid; add_request returns "<rid>-<random>"
     toks = [[] for _ in prompts]
     lps = [[] for _ in prompts]
     unfinished = set(range(len(prompts)))
