@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# GPU machine (H200), with the SGLang kit carried (`run` with carry [".kits/sglang"]):
+# evenkv inside a real SGLang 0.5.17 engine, end to end.
+#
+# usage: bash tests/gpu_sglang_e2e.sh [STEP...]      (default: checks skew pytest)
+#   checks  the kit's check.py on its tiny random Qwen3 (16 q / 4 kv heads, D 128, bf16):
+#           evenkv and triton, eager (--graphs 0) and CUDA graphs (--graphs 1); greedy tokens and
+#           logprobs vs HF transformers (ok=1), and evenkv's tokens vs triton's
+#   skew    one 16K-token prompt beside 63 short ones, 64 decode steps in one batch: decode step
+#           time, evenkv vs triton (tests/sglang_skew_step.py), CUDA graphs on
+#   pytest  the GPU lane of tests/test_sglang_integration.py (realistic SGLang pools, real CUDA
+#           graph replay) plus its CPU-lane tests run on the GPU
+# env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
+#      default /tmp/evenkv-sglang-e2e), SGLANG_KIT (default .kits/sglang), MODEL (tiny model dir).
+# Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+KIT=${SGLANG_KIT:-$ROOT/.kits/sglang}
+L=${OUT:-/tmp/evenkv-sglang-e2e}
+MODEL=${MODEL:-/tmp/evenkv-qwen3-tiny}
+T0=$SECONDS
+BUDGET=${BUDGET:-570}
+mkdir -p "$L"
+RES=$L/results.txt
+: > "$RES"
+
+if [ ! -f "$KIT/setup.sh" ]; then
+  echo "no SGLang kit at $KIT (build it: ../shared/device/build-sglang-kit.sh .kits/sglang; carry it)"; exit 1
+fi
+# shellcheck disable=SC1091
+source "$KIT/setup.sh" || exit 1
+
+# Make evenkv importable and its sglang.srt.plugins entry point visible in every process the
+# engine spawns (they inherit PYTHONPATH): a site folder mirroring the package mapping of
+# pyproject.toml (evenkv = backend/, evenkv.kernels = kernels/, evenkv.integrations =
+# integrations/) plus a dist-info with the entry point. Nothing is installed into the image.
+SITE=/tmp/evenkv-sglang-site
+rm -rf "$SITE"
+mkdir -p "$SITE/evenkv" "$SITE/evenkv-0.1.0.dist-info"
+ln -s "$ROOT"/backend/*.py "$SITE/evenkv/"
+ln -s "$ROOT/kernels" "$SITE/evenkv/kernels"
+ln -s "$ROOT/integrations" "$SITE/evenkv/integrations"
+printf 'Metadata-Version: 2.1\nName: evenkv\nVersion: 0.1.0\n' > "$SITE/evenkv-0.1.0.dist-info/METADATA"
+printf '[sglang.srt.plugins]\nevenkv = evenkv.integrations.sglang:register\n' \
+  > "$SITE/evenkv-0.1.0.dist-info/entry_points.txt"
+export PYTHONPATH=$PYTHONPATH:$SITE
+python3 - <<'PY' || exit 1
+import importlib.metadata as md, evenkv, torch
+eps = [e.value for e in md.entry_points(group="sglang.srt.plugins")]
+assert "evenkv.integrations.sglang:register" in eps, eps
+print(f"== evenkv {evenkv.__version__} from {evenkv.__file__}; plugins {eps}; torch {torch.__version__}; "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE'}", flush=True)
+PY
+
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+# run NAME MAX_SECONDS MIN_SECONDS CMD...: skip if fewer than MIN_SECONDS are left
+run_step() {
+  local name=$1 to=$2 need=$3 l; shift 3
+  l=$(left)
+  if [ "$l" -lt "$need" ]; then echo "== $name SKIPPED (budget: ${l}s left)" | tee -a "$RES"; return 1; fi
+  [ "$to" -gt "$l" ] && to=$l
+  timeout -k 10 "$to" "$@" > "$L/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc at $((SECONDS - T0))s"
+  grep -E "^RESULT" "$L/$name.log" | tee -a "$RES"
+  [ $rc -eq 0 ] || grep -E "Error|error:|Traceback|NotImplemented" "$L/$name.log" | tail -8
+  return $rc
+}
+
+tokens_vs_triton() {  # graphs: compare the prompt_len=... out=[...] lines of two check logs
+  local g=$1 a=$L/check-evenkv-g$1.log b=$L/check-triton-g$1.log
+  [ -f "$a" ] && [ -f "$b" ] || return 0
+  python3 - "$a" "$b" "$g" <<'PY' | tee -a "$RES"
+import ast, re, sys
+def outs(p):
+    return [ast.literal_eval(m.group(1)) for m in re.finditer(r"^prompt_len=\d+ out=(\[.*\])$", open(p).read(), re.M)]
+a, b, g = outs(sys.argv[1]), outs(sys.argv[2]), sys.argv[3]
+same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
+print(f"RESULT tokens_vs_triton graphs={g} prompts_identical={sum(x == y for x, y in zip(a, b))}/{len(b)} "
+      f"tokens_identical={same}/{sum(map(len, b))}")
+PY
+}
+
+step_checks() {
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  echo "== model ready at $((SECONDS - T0))s"
+  run_step check-evenkv-g0 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 0
+  run_step check-evenkv-g1 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 1
+  run_step check-triton-g1 150 60 python3 "$KIT/check.py" --model "$MODEL" --backend triton --graphs 1
+  run_step check-triton-g0 150 60 python3 "$KIT/check.py" --model "$MODEL" --backend triton --graphs 0
+  tokens_vs_triton 0
+  tokens_vs_triton 1
+}
+
+step_skew() {
+  local m32=$MODEL-ctx32k
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  # The tiny model declares 4096 positions; the 16K prompt needs more (RoPE is position-agnostic).
+  python3 - "$MODEL" "$m32" <<'PY' || return 1
+import json, os, sys
+src, dst = sys.argv[1:]
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src):
+    if f != "config.json" and not os.path.exists(os.path.join(dst, f)):
+        os.symlink(os.path.join(src, f), os.path.join(dst, f))
+cfg = json.load(open(os.path.join(src, "config.json")))
+cfg["max_position_embeddings"] = 32768
+json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+PY
+  run_step skew-evenkv 170 90 python3 "$ROOT/tests/sglang_skew_step.py" run --model "$m32" --backend evenkv \
+    --json "$L/skew-evenkv.json"
+  run_step skew-triton 170 90 python3 "$ROOT/tests/sglang_skew_step.py" run --model "$m32" --backend triton \
+    --json "$L/skew-triton.json"
+  if [ -f "$L/skew-evenkv.json" ] && [ -f "$L/skew-triton.json" ]; then
+    python3 "$ROOT/tests/sglang_skew_step.py" compare "$L/skew-evenkv.json" "$L/skew-triton.json" | tee -a "$RES"
+  fi
+}
+
+step_pytest() {
+  (cd "$ROOT" && run_step pytest-sglang 400 60 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" \
+    tests/test_sglang_integration.py)
+  tail -3 "$L/pytest-sglang.log" 2>/dev/null | sed 's/^/   /'
+}
+
+for s in ${@:-checks skew pytest}; do
+  case $s in
+    checks) step_checks ;;
+    skew) step_skew ;;
+    pytest) step_pytest ;;
+    *) echo "unknown step $s (checks | skew | pytest)"; exit 2 ;;
+  esac
+done
+echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
