@@ -8,6 +8,7 @@ given. Never ``assert``: asserts vanish under ``python -O``.
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -41,6 +42,29 @@ def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int
     if value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value}")
     return value
+
+
+def check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size,
+                           max_pages_per_request) -> None:
+    """Constructor arguments shared by DecodeAttention and MixedAttention (head_dim is
+    checked by each, against the head dims its kernels support)."""
+    check_positive_int("num_q_heads", num_q_heads)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+    check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
+    check_positive_int("max_batch_size", max_batch_size)
+    check_positive_int("max_pages_per_request", max_pages_per_request)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
+
+
+def resolve_device(device) -> torch.device:
+    """torch.device(device), with a bare "cuda" pinned to the current device index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -19,11 +19,11 @@ import torch
 from evenkv.kernels import decode_launch as launch
 
 from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
-from .checks import INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
+from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_positive_int,
+                     check_tensor, resolve_device)
 from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity, plan_fa3_units)
 
 POLICIES = ("balanced", "fa3", "none")
-PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 LOG2E = 1.4426950408889634
 # Under the interpreter there are no SMs: a small fake count makes the schedules cut
 # requests (and so exercise the merge) on tiny test batches.
@@ -57,23 +57,13 @@ class DecodeAttention:
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
                  config: DecodeConfig | None = None, debug: bool | None = None):
-        check_positive_int("num_q_heads", num_q_heads)
-        check_positive_int("num_kv_heads", num_kv_heads)
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+        check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
-        check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("max_pages_per_request", max_pages_per_request)
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         if num_ctas is not None:
             check_positive_int("num_ctas", num_ctas)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group_size = num_q_heads // num_kv_heads
         self.page_size, self.dtype, self.policy = page_size, dtype, policy

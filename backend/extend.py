@@ -20,8 +20,8 @@ import torch
 from evenkv.kernels import extend_launch as launch
 
 from .arch import resolve_arch
-from .checks import INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
-from .decode import PAGE_SIZES, debug_enabled
+from .checks import INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
+from .decode import debug_enabled
 
 SCHEDULES = ("lpt", "ordered")
 

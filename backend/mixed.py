@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .arch import resolve_arch
-from .checks import SUPPORTED_DTYPES, check_positive_int, check_tensor
-from .decode import PAGE_SIZES, POLICIES, DecodeAttention, debug_enabled
+from .checks import check_attention_layout, check_positive_int, check_tensor, resolve_device
+from .decode import POLICIES, DecodeAttention, debug_enabled
 from .extend import (ExtendConfig, ExtendPlan, check_batch_metadata, check_cache, check_head_dim,
                      check_lengths_on_host, extend_config, normalize_logit_cap, normalize_sm_scale, normalize_window,
                      plan_extend, run_extend)
@@ -64,26 +64,16 @@ class MixedAttention:
                  sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
                  schedule: str = "lpt", extend_config: ExtendConfig | None = None, arch: str | None = None,
                  debug: bool | None = None, **decode_kwargs):
-        check_positive_int("num_q_heads", num_q_heads)
-        check_positive_int("num_kv_heads", num_kv_heads)
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_q_heads}")
+        check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         check_positive_int("head_dim", head_dim)
         check_head_dim(head_dim)
-        check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("max_pages_per_request", max_pages_per_request)
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         if schedule not in ("lpt", "ordered"):
             raise ValueError(f"schedule: expected 'lpt' or 'ordered', got {schedule!r}")
         if extend_config is not None and not isinstance(extend_config, ExtendConfig):
             raise TypeError(f"extend_config: expected ExtendConfig or None, got {type(extend_config).__name__}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group_size = num_q_heads // num_kv_heads
         self.page_size, self.dtype = page_size, dtype

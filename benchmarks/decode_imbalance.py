@@ -34,7 +34,6 @@ import fnmatch
 import importlib.abc
 import importlib.util
 import math
-import os
 import signal
 import statistics
 import subprocess

@@ -52,7 +52,8 @@ def create_backend(model_runner):
 
 def unsupported_reasons(model_runner) -> list[str]:
     """Every reason evenkv cannot serve ``model_runner``'s configuration ([] = supported)."""
-    from evenkv.decode import PAGE_SIZES, POLICIES
+    from evenkv.checks import PAGE_SIZES
+    from evenkv.decode import POLICIES
     from evenkv.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
     reasons = []

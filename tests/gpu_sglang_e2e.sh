@@ -30,27 +30,9 @@ fi
 # shellcheck disable=SC1091
 source "$KIT/setup.sh" || exit 1
 
-# Make evenkv importable and its sglang.srt.plugins entry point visible in every process the
-# engine spawns (they inherit PYTHONPATH): a site folder mirroring the package mapping of
-# pyproject.toml (evenkv = backend/, evenkv.kernels = kernels/, evenkv.integrations =
-# integrations/) plus a dist-info with the entry point. Nothing is installed into the image.
-SITE=/tmp/evenkv-sglang-site
-rm -rf "$SITE"
-mkdir -p "$SITE/evenkv" "$SITE/evenkv-0.1.0.dist-info"
-ln -s "$ROOT"/backend/*.py "$SITE/evenkv/"
-ln -s "$ROOT/kernels" "$SITE/evenkv/kernels"
-ln -s "$ROOT/integrations" "$SITE/evenkv/integrations"
-printf 'Metadata-Version: 2.1\nName: evenkv\nVersion: 0.1.0\n' > "$SITE/evenkv-0.1.0.dist-info/METADATA"
-printf '[sglang.srt.plugins]\nevenkv = evenkv.integrations.sglang:register\n' \
-  > "$SITE/evenkv-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=$PYTHONPATH:$SITE
-python3 - <<'PY' || exit 1
-import importlib.metadata as md, evenkv, torch
-eps = [e.value for e in md.entry_points(group="sglang.srt.plugins")]
-assert "evenkv.integrations.sglang:register" in eps, eps
-print(f"== evenkv {evenkv.__version__} from {evenkv.__file__}; plugins {eps}; torch {torch.__version__}; "
-      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE'}", flush=True)
-PY
+# shellcheck disable=SC1091
+source "$ROOT/tests/gpu_site.sh"
+evenkv_site /tmp/evenkv-sglang-site sglang.srt.plugins evenkv.integrations.sglang:register || exit 1
 
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 # run NAME MAX_SECONDS MIN_SECONDS CMD...: skip if fewer than MIN_SECONDS are left

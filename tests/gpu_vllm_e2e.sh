@@ -29,27 +29,9 @@ RES=$L/results.txt
 # shellcheck disable=SC1091
 source "$KIT/setup.sh" || exit 1
 
-# Make evenkv importable and its vllm.general_plugins entry point visible to every process (they
-# inherit PYTHONPATH): a site folder mirroring pyproject.toml's package mapping (evenkv = backend/,
-# evenkv.kernels = kernels/, evenkv.integrations = integrations/) plus a dist-info with the entry
-# point. Nothing is installed into the image.
-SITE=/tmp/evenkv-vllm-site
-rm -rf "$SITE"
-mkdir -p "$SITE/evenkv" "$SITE/evenkv-0.1.0.dist-info"
-ln -s "$ROOT"/backend/*.py "$SITE/evenkv/"
-ln -s "$ROOT/kernels" "$SITE/evenkv/kernels"
-ln -s "$ROOT/integrations" "$SITE/evenkv/integrations"
-printf 'Metadata-Version: 2.1\nName: evenkv\nVersion: 0.1.0\n' > "$SITE/evenkv-0.1.0.dist-info/METADATA"
-printf '[vllm.general_plugins]\nevenkv = evenkv.integrations.vllm:register\n' \
-  > "$SITE/evenkv-0.1.0.dist-info/entry_points.txt"
-export PYTHONPATH=$PYTHONPATH:$SITE
-python3 - <<'PY' || exit 1
-import importlib.metadata as md, evenkv, torch
-eps = [e.value for e in md.entry_points(group="vllm.general_plugins")]
-assert "evenkv.integrations.vllm:register" in eps, eps
-print(f"== evenkv {evenkv.__version__} from {evenkv.__file__}; plugins {eps}; torch {torch.__version__}; "
-      f"{torch.cuda.get_device_name()}", flush=True)
-PY
+# shellcheck disable=SC1091
+source "$ROOT/tests/gpu_site.sh"
+evenkv_site /tmp/evenkv-vllm-site vllm.general_plugins evenkv.integrations.vllm:register || exit 1
 
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 # run_step NAME MAX_SECONDS MIN_SECONDS CMD...: skip if fewer than MIN_SECONDS are left

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import decode_imbalance as di  # noqa: E402
 import report  # noqa: E402
-from peers import Runner, evenkv_impl, load, sglang_triton  # noqa: E402
+from peers import Runner, evenkv_impl, sglang_triton  # noqa: E402
 
 PCT = {"Skewed40": 40, "Skewed60": 60, "Skewed80": 80}
 

@@ -1,0 +1,27 @@
+# Sourced by tests/gpu_*_e2e.sh on the GPU machine: make evenkv importable, and one engine
+# entry point visible, in every process an engine spawns (they inherit PYTHONPATH), with
+# nothing installed into the image. A site folder mirrors pyproject.toml's package mapping
+# (evenkv = backend/, evenkv.kernels = kernels/, evenkv.integrations = integrations/) plus a
+# dist-info holding the entry point.
+#   evenkv_site SITE_DIR GROUP ENTRY      e.g. evenkv_site /tmp/s vllm.general_plugins evenkv.integrations.vllm:register
+evenkv_site() {
+  local site=$1 group=$2 entry=$3
+  local root
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  rm -rf "$site"
+  mkdir -p "$site/evenkv" "$site/evenkv-0.1.0.dist-info"
+  ln -s "$root"/backend/*.py "$site/evenkv/"
+  ln -s "$root/kernels" "$site/evenkv/kernels"
+  ln -s "$root/integrations" "$site/evenkv/integrations"
+  printf 'Metadata-Version: 2.1\nName: evenkv\nVersion: 0.1.0\n' > "$site/evenkv-0.1.0.dist-info/METADATA"
+  printf '[%s]\nevenkv = %s\n' "$group" "$entry" > "$site/evenkv-0.1.0.dist-info/entry_points.txt"
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
+  EVENKV_ENTRY_GROUP=$group EVENKV_ENTRY=$entry python3 - <<'PY'
+import importlib.metadata as md, os, evenkv, torch
+group, entry = os.environ["EVENKV_ENTRY_GROUP"], os.environ["EVENKV_ENTRY"]
+eps = [e.value for e in md.entry_points(group=group)]
+assert entry in eps, eps
+print(f"== evenkv {evenkv.__version__} from {evenkv.__file__}; plugins {eps}; torch {torch.__version__}; "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE'}", flush=True)
+PY
+}
