@@ -30,8 +30,9 @@ import triton.language as tl
 def _request_cost(seq_lens_ptr, offs, batch_size, capacity,
                   NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr):
     mask = offs < batch_size
-    seq_len = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int32)
-    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity)
+    # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
+    seq_len = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity).to(tl.int32)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
     cost = tl.where(n_tiles > 0, (n_tiles + SEGMENT_OVERHEAD) * NUM_KV_HEADS, 0)
     return seq_len, cost, mask

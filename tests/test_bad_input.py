@@ -3,6 +3,8 @@ and the actual value, before any kernel launches."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import evenkv
 from helpers import make_paged_batch
@@ -125,3 +127,54 @@ def test_write_kv_debug_checks_slots(device, monkeypatch):
     new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="slot_mapping: expected slots < num_slots=32, got 32"):
         evenkv.write_kv(kc, kc.clone(), new, new, torch.tensor([1, 32], device=device))
+
+
+LAUNCHERS = ("launch_plan_stream", "launch_decode_stream", "launch_merge_stream", "launch_decode_units",
+             "launch_merge_units", "launch_kv_write")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch fails the test: malformed input must be refused before launching."""
+    from evenkv.kernels import decode_launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was launched for malformed input")
+
+    for name in LAUNCHERS:
+        monkeypatch.setattr(decode_launch, name, refuse)
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.uint8]
+dims = st.lists(st.integers(0, 9), min_size=0, max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(q_shape=dims, q_dtype=st.sampled_from(DTYPES), k_shape=dims, k_dtype=st.sampled_from(DTYPES),
+       lens_shape=dims, lens_dtype=st.sampled_from(DTYPES), pt_shape=dims, pt_dtype=st.sampled_from(DTYPES))
+def test_fuzz_public_api_refuses_malformed_input(device, no_launch, q_shape, q_dtype, k_shape, k_dtype, lens_shape,
+                                                 lens_dtype, pt_shape, pt_dtype):
+    """Random shapes and dtypes for every tensor argument: each call either is well formed
+    or raises TypeError/ValueError, and nothing is launched before that."""
+    attn = _attn(device)
+    well_formed_plan = (lens_dtype in (torch.int32, torch.int64) and len(lens_shape) == 1
+                        and pt_dtype == torch.int32 and len(pt_shape) == 2 and pt_shape[0] == lens_shape[0]
+                        and lens_shape[0] <= 4 and pt_shape[1] <= 8)
+    lens = torch.zeros(lens_shape, dtype=lens_dtype, device=device)
+    pt = torch.zeros(pt_shape, dtype=pt_dtype, device=device)
+    if not well_formed_plan:
+        with pytest.raises((TypeError, ValueError)):
+            attn.plan(lens, pt)
+        return
+    if lens_shape[0] > 0:  # a real plan would launch the prepare kernel; the fuzz is about run()
+        return
+    attn.plan(lens, pt)
+    q = torch.zeros(q_shape, dtype=q_dtype, device=device)
+    k = torch.zeros(k_shape, dtype=k_dtype, device=device)
+    well_formed_run = (q_dtype == torch.float16 and tuple(q_shape) == (0, 8, 64) and k_dtype == torch.float16
+                       and len(k_shape) == 3 and tuple(k_shape[1:]) == (2, 64))
+    if well_formed_run:
+        assert attn.run(q, k, k).shape == (0, 8, 64)
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            attn.run(q, k, k)

@@ -94,8 +94,10 @@ def test_stream_plan_worked_example():
     assert (want["piece"], want["total"]) == (3, 11)
 
 
-lengths = st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300), st.integers(1000, 1024)), min_size=1,
-                   max_size=40)
+# Zeros, ones, ordinary and capacity-sized lengths, and hostile ones: negative (clamped to 0)
+# and far past the page table (clamped to its 64 x 16 = 1024-token capacity).
+lengths = st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300), st.integers(1000, 1024),
+                             st.integers(-2**31, -1), st.integers(1025, 2**31 - 1)), min_size=1, max_size=40)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -123,7 +125,7 @@ def _check_fa3(device, lens, num_kv_heads):
     assert s.num_units.item() == want["num_units"]
     # Splits cover each request's tiles exactly, none empty.
     for r, k in zip(want["unit_req"], want["unit_split"]):
-        tiles = -(-min(lens[r], 1024) // attn.config.block_n)
+        tiles = -(-min(max(lens[r], 0), 1024) // attn.config.block_n)
         begin = k * want["req_tiles_per_split"][r]
         assert tiles == 0 or begin < tiles
 
@@ -139,6 +141,24 @@ def test_fa3_worked_example():
 @given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]))
 def test_fa3_plan_properties(device, lens, num_kv_heads):
     _check_fa3(device, lens, num_kv_heads)
+
+
+def test_plan_clamps_int64_lengths_past_int32(device):
+    want, _ = _check_stream(device, [2**40, -2**40, 7], 2, 4, max_pages=4, page_size=16)
+    assert want["seq_lens"].tolist() == [64, 0, 7]
+
+
+@pytest.mark.parametrize("policy", ["balanced", "fa3"])
+def test_plan_at_max_batch(device, policy):
+    """B == max_batch_size, one huge request among ones and zeros."""
+    lens = [1, 0] * 31 + [10**6, 5]
+    attn = _attn(device, policy, 2, len(lens), 6)
+    plan = attn.plan(torch.tensor(lens, device=device), torch.zeros(len(lens), 64, dtype=torch.int32, device=device))
+    assert plan.batch_size == len(lens) == attn.max_batch_size
+    if policy == "balanced":
+        _stream_invariants(*_check_stream(device, lens, 2, 6), 2, 6)
+    else:
+        _check_fa3(device, lens, 2)
 
 
 def test_plan_clamps_lengths_to_page_table(device):
