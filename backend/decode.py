@@ -21,7 +21,8 @@ from evenkv.kernels import decode_launch as launch
 from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
 from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_positive_int,
                      check_tensor, resolve_device)
-from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity, plan_fa3_units)
+from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
+                       plan_chunked_units, plan_fa3_units)
 
 POLICIES = ("balanced", "fa3", "none")
 LOG2E = 1.4426950408889634
@@ -30,8 +31,13 @@ LOG2E = 1.4426950408889634
 INTERPRETER_SMS = 2
 
 
+def _env_flag(name: str, value: bool | None) -> bool:
+    """An explicit argument wins; else the environment variable (anything but "" / "0" is on)."""
+    return value if value is not None else os.environ.get(name, "0") not in ("", "0")
+
+
 def debug_enabled(debug: bool | None) -> bool:
-    return debug if debug is not None else os.environ.get("EVENKV_DEBUG", "0") not in ("", "0")
+    return _env_flag("EVENKV_DEBUG", debug)
 
 
 class DecodeAttention:
@@ -50,19 +56,32 @@ class DecodeAttention:
         arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
         num_ctas: persistent grid size; default SM count x resident CTAs per SM.
         config: a DecodeConfig replacing the arch table's (tuning and tests).
+        deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
+            by its own length only and its pieces are merged in a fixed order, so its output
+            is bitwise the same whatever else is in the batch. Allocates max_batch_size x 16
+            partial slots per KV head. Default: EVENKV_DETERMINISTIC (the engine adapters' switch).
         debug: validate lengths and page indices on the host before each launch (syncs).
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
-                 config: DecodeConfig | None = None, debug: bool | None = None):
+                 config: DecodeConfig | None = None, deterministic: bool | None = None,
+                 debug: bool | None = None):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
         if num_ctas is not None:
             check_positive_int("num_ctas", num_ctas)
+        deterministic = _env_flag("EVENKV_DETERMINISTIC", deterministic)
+        if deterministic and policy == "fa3":
+            raise ValueError("deterministic: expected policy 'balanced' or 'none', got 'fa3' (its splits depend "
+                             "on the whole batch's work, so a request's result would depend on its neighbours)")
+        # How the work is scheduled: a stream-K cost line, a queue of (request, split, head)
+        # units, or one program per (request, head).
+        self._kind = "direct" if policy == "none" else ("units" if policy == "fa3" or deterministic else "stream")
+        self.deterministic = deterministic
         self.device = resolve_device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group_size = num_q_heads // num_kv_heads
@@ -89,11 +108,11 @@ class DecodeAttention:
     def _allocate_schedule(self):
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self.max_batch_size
-        if self.policy == "balanced":
+        if self._kind == "stream":
             return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(b, **i32), torch.zeros(self.num_ctas, **i32),
                                   torch.zeros(3, **i32), self.num_ctas)
-        if self.policy == "fa3":
-            units = fa3_unit_capacity(b, self.num_sms)
+        if self._kind == "units":
+            units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
@@ -101,11 +120,11 @@ class DecodeAttention:
         return None
 
     def _partial_slots(self) -> int:
-        """Partial (O, LSE) slots: two per CTA for balanced (its first and last segment
-        may be cut), one per (split, head) unit for fa3, none for none."""
-        if self.policy == "balanced":
+        """Partial (O, LSE) slots: two per CTA for the stream (its first and last segment
+        may be cut), one per (split, head) unit for the unit queue, none for direct."""
+        if self._kind == "stream":
             return 2 * self.num_ctas
-        if self.policy == "fa3":
+        if self._kind == "units":
             return self._schedule.unit_req.shape[0] * self.num_kv_heads
         return 0
 
@@ -118,7 +137,7 @@ class DecodeAttention:
         seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
         scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
-        if self.policy == "balanced":
+        if self._kind == "stream":
             cost_start, active, first_req = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
             scalars = torch.zeros(3, **i32)
             launch.launch_plan_stream(seq_lens, seq_lens, cost_start, active, first_req, scalars, self.page_size, 1,
@@ -130,7 +149,7 @@ class DecodeAttention:
             zeros = torch.zeros(1, **i32)
             compiled = launch.launch_decode_units(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
                                                   page_table, zeros, zeros, seq_lens, seq_lens, seq_lens,
-                                                  torch.zeros(2, **i32), 1.0, 1, self.policy == "fa3",
+                                                  torch.zeros(2, **i32), 1.0, 1, self._kind == "units",
                                                   self.page_size, self.config)
         return min(launch.resident_ctas_per_sm(compiled, dev), self.config.max_ctas_per_sm)
 
@@ -161,7 +180,7 @@ class DecodeAttention:
         elif self.debug:
             self._check_lengths(seq_lens.cpu(), capacity)
         plan_seq_lens = self._plan_seq_lens[:batch]
-        if batch > 0 and self.policy == "balanced":
+        if batch > 0 and self._kind == "stream":
             s = self._schedule
             launch.launch_plan_stream(seq_lens, plan_seq_lens, s.req_cost_start, s.active_req, s.cta_first_req,
                                       s.plan_scalars,
@@ -172,6 +191,9 @@ class DecodeAttention:
             if self.policy == "fa3":
                 plan_fa3_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
                                num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
+            elif self._kind == "units":
+                plan_chunked_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
+                                   num_kv_heads=self.num_kv_heads)
         self._plan = DecodePlan(self.policy, batch, plan_seq_lens, page_table, self._schedule)
         return self._plan
 
@@ -218,14 +240,14 @@ class DecodeAttention:
             self._check_pages(plan, k_cache.shape[0])
         scale = self.sm_scale * LOG2E
         s = plan.schedule
-        if self.policy == "balanced":
+        if self._kind == "stream":
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                         plan.page_table, s.req_cost_start, s.active_req, s.cta_first_req,
                                         s.plan_scalars, scale,
                                         s.num_ctas, self.page_size, self.config)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
                                        s.active_req, s.cta_first_req, s.plan_scalars, s.num_ctas, hkv, self.config)
-        elif self.policy == "fa3":
+        elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,
                                        s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,

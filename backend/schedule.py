@@ -14,6 +14,11 @@ Policies (DESIGN §3):
   counter. No batch-size cap (FA3's one-CTA prepare kernel stops splitting above 992).
   Filled by a few torch ops.
 * ``none``: one program per (request, KV head), no split; no schedule tensors.
+* ``deterministic=True`` (with ``balanced``) -> :class:`UnitSchedule` with
+  *fixed-chunk* splits: a request of n tiles is cut into
+  ``min(ceil(n / chunk), DETERMINISTIC_MAX_SPLITS)`` equal pieces, a function of its own
+  length only, and its pieces are merged in a fixed order, so its output is bitwise
+  the same whatever else shares the batch (stream-K boundaries move with the batch).
 
 Every planner works on device tensors only (no ``.item()``, no host sync) and writes
 into buffers allocated once by ``evenkv.DecodeAttention``, so planning can be
@@ -30,6 +35,11 @@ import torch
 # FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
 FA3_MAX_SPLITS = 128
+# Batch-invariant splits: pieces of DETERMINISTIC_CHUNK_TOKENS, at most
+# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer pieces). The cap
+# bounds the partial workspace at max_batch_size x 16 (split, head) slots.
+DETERMINISTIC_CHUNK_TOKENS = 2048
+DETERMINISTIC_MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class StreamSchedule:
 
 @dataclass(frozen=True)
 class UnitSchedule:
-    """``fa3`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
+    """``fa3`` and ``deterministic`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
     split unit_split[j] ([U] int32 each). Per request ([B] int32): req_splits,
     req_tiles_per_split, req_split_base (index of its first split among all splits).
     num_units [1] int32 = Hkv * total splits; num_ctas: the persistent grid."""
@@ -86,17 +96,32 @@ def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:
 
 def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int,
                    num_sms: int, max_splits: int = FA3_MAX_SPLITS) -> None:
-    """Fill ``sched`` (buffers sized for max batch) from clamped ``seq_lens [B] int32``.
-
-    Splits are re-derived from tiles_per_split so that no split is empty; an empty
-    request gets one split of zero tiles (its unit writes zeros).
-    """
-    batch = seq_lens.shape[0]
+    """Fill ``sched`` (buffers sized for max batch) from clamped ``seq_lens [B] int32``
+    with FA3's dynamic split (depends on the batch's total work)."""
     tiles = (seq_lens + (block_n - 1)) // block_n
     total = tiles.sum(dtype=torch.int64)
     per_sm = FA3_SLACK_DEN * num_sms
     blocks_per_sm = torch.clamp((total * (FA3_SLACK_NUM * num_kv_heads) + per_sm - 1) // per_sm, min=1)
     splits = torch.clamp((tiles + blocks_per_sm - 1) // blocks_per_sm, 1, max_splits)
+    _fill_units(tiles, splits, sched, num_kv_heads)
+
+
+def plan_chunked_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int) -> None:
+    """Fill ``sched`` from clamped ``seq_lens [B] int32`` with batch-invariant splits:
+    each request's split count depends on its own length only."""
+    tiles = (seq_lens + (block_n - 1)) // block_n
+    chunk = max(DETERMINISTIC_CHUNK_TOKENS // block_n, 1)
+    splits = torch.clamp((tiles + chunk - 1) // chunk, 1, DETERMINISTIC_MAX_SPLITS)
+    _fill_units(tiles, splits, sched, num_kv_heads)
+
+
+def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, num_kv_heads: int) -> None:
+    """Write the unit list for per-request split counts ``splits`` ([B], >= 1).
+
+    Splits are re-derived from tiles_per_split so that none is empty; an empty request
+    gets one split of zero tiles (its unit writes zeros). Requests run heaviest first.
+    """
+    batch = tiles.shape[0]
     tiles_per_split = torch.where(tiles > 0, (tiles + splits - 1) // splits, 1)
     splits = torch.where(tiles > 0, (tiles + tiles_per_split - 1) // tiles_per_split, 1)
     order = torch.sort(tiles, descending=True, stable=True).indices
@@ -106,7 +131,7 @@ def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int,
     sched.req_splits[:batch].copy_(splits)
     sched.req_tiles_per_split[:batch].copy_(tiles_per_split)
     sched.req_split_base[:batch].index_copy_(0, order, split_begin)
-    j = torch.arange(sched.unit_req.shape[0], device=seq_lens.device, dtype=torch.int32)
+    j = torch.arange(sched.unit_req.shape[0], device=tiles.device, dtype=torch.int32)
     rank = torch.searchsorted(split_end, j, right=True).clamp_(max=batch - 1)
     sched.unit_req.copy_(order[rank])
     sched.unit_split.copy_(j - split_begin[rank])

@@ -8,7 +8,8 @@ it checks the configuration first and refuses, with every reason at once, what e
 support, then imports the backend class (``evenkv.integrations.sglang_backend``) lazily.
 
 Knob: ``EVENKV_POLICY`` = ``balanced`` (default) | ``fa3`` | ``none`` picks the decode
-schedule (``evenkv.DecodeAttention``'s ``policy``).
+schedule (``evenkv.DecodeAttention``'s ``policy``); ``EVENKV_DETERMINISTIC=1`` makes decode
+batch invariant (``DecodeAttention(deterministic=True)``).
 
 Targets SGLang 0.5.17 (interfaces: shared/engine-interfaces.md section 1); imports on 0.5.23.
 """

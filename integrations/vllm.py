@@ -14,7 +14,8 @@ names do not unpickle in a process that has not loaded the plugin yet
 
 Knobs: ``EVENKV_POLICY`` = ``balanced`` (default) | ``fa3`` | ``none`` picks the decode
 schedule (``evenkv.DecodeAttention``'s ``policy``); ``EVENKV_DEBUG=1`` validates lengths
-and page ids on the host before each launch (syncs; for debugging only).
+and page ids on the host before each launch (syncs; for debugging only);
+``EVENKV_DETERMINISTIC=1`` makes decode batch invariant (``DecodeAttention(deterministic=True)``).
 
 Targets vLLM 0.26.0; checked against 0.33.0 (interfaces: shared/engine-interfaces.md section 2).
 """

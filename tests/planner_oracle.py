@@ -35,11 +35,21 @@ def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
     tiles = cdiv(lens, block_n)
     total = int(tiles.sum())
     blocks_per_sm = max(-(-(total * 11 * num_kv_heads) // (10 * num_sms)), 1)
-    splits = np.clip(cdiv(tiles, blocks_per_sm), 1, FA3_MAX_SPLITS)
+    return _unit_plan(tiles, np.clip(cdiv(tiles, blocks_per_sm), 1, FA3_MAX_SPLITS), num_kv_heads)
+
+
+def chunked_plan(seq_lens, capacity, num_kv_heads, block_n, chunk_tokens=2048, max_splits=16):
+    """The deterministic (batch-invariant) split: a function of each request's own length."""
+    lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
+    tiles = cdiv(lens, block_n)
+    return _unit_plan(tiles, np.clip(cdiv(tiles, max(chunk_tokens // block_n, 1)), 1, max_splits), num_kv_heads)
+
+
+def _unit_plan(tiles, splits, num_kv_heads):
     per_split = np.where(tiles > 0, cdiv(tiles, splits), 1)
     splits = np.where(tiles > 0, cdiv(tiles, per_split), 1)
     order = np.argsort(-tiles, kind="stable")
-    base = np.zeros(len(lens), dtype=np.int64)
+    base = np.zeros(len(tiles), dtype=np.int64)
     unit_req, unit_split = [], []
     nxt = 0
     for b in order:

@@ -120,3 +120,43 @@ def test_nan_in_unused_slots_does_not_leak(device):
         out = attn.run(q, kc_nan, vc_nan)
         assert not torch.isnan(out).any(), policy
         assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)
+
+
+def test_deterministic_is_batch_invariant(device):
+    """deterministic=True: one request (long enough to be split) placed in random batches at
+    random positions gives bitwise identical output rows, and matches the reference."""
+    gen = torch.Generator().manual_seed(7)
+    target = 4500  # 3 fixed chunks of 2048 tokens
+    lens = [target] + [int(x) for x in torch.randint(0, 300, (7,), generator=gen)]
+    q, kc, vc, seq_lens, pt = make_paged_batch(lens, 8, 2, 64, 16, torch.float16, device)
+    attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 8, pt.shape[1], deterministic=True,
+                                  num_ctas=3)
+    attn.plan(seq_lens, pt)
+    first = attn.run(q, kc, vc)
+    assert_close_to_reference(first, q, kc, vc, seq_lens, pt, 16)
+    for _ in range(6):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        others = torch.randperm(7, generator=gen)[:batch - 1] + 1
+        rows = others.tolist()
+        pos = int(torch.randint(0, batch, (1,), generator=gen))
+        rows.insert(pos, 0)
+        idx = torch.tensor(rows, device=device)
+        sub_lens = seq_lens[idx].clone()
+        sub_lens[[i for i, r in enumerate(rows) if r != 0]] //= int(torch.randint(1, 4, (1,), generator=gen))
+        attn.plan(sub_lens, pt[idx])
+        out = attn.run(q[idx], kc, vc)
+        assert torch.equal(out[pos], first[0]), rows
+
+
+def test_deterministic_refuses_fa3(device):
+    with pytest.raises(ValueError, match="deterministic.*fa3"):
+        evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4, "fa3", deterministic=True)
+
+
+def test_deterministic_from_environment(device, monkeypatch):
+    """EVENKV_DETERMINISTIC is the engine adapters' switch; an explicit argument wins."""
+    monkeypatch.setenv("EVENKV_DETERMINISTIC", "1")
+    assert evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4).deterministic
+    assert not evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4, deterministic=False).deterministic
+    monkeypatch.setenv("EVENKV_DETERMINISTIC", "0")
+    assert not evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4).deterministic

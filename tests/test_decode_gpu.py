@@ -127,3 +127,24 @@ def test_large_cache_offsets_pass_int32():
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = evenkv.decode(q, k, v, seq_lens, pt, page_size)
     check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1])
+
+
+def test_deterministic_batch_invariance_50_batches():
+    """deterministic=True: one request of 100K tokens in 50 random batches (B up to 512,
+    every distribution, random position) gives bitwise identical bytes."""
+    gen = torch.Generator().manual_seed(4)
+    pool_lens = [100_000] + [int(x) for x in torch.randint(1, 20_000, (511,), generator=gen)]
+    q, k, v, seq_lens, pt = build(pool_lens, 16, seed=5)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 512, pt.shape[1], deterministic=True)
+    attn.plan(seq_lens[:1], pt[:1])
+    want = attn.run(q[:1], k, v)[0].clone()
+    check_sample(attn.run(q[:1], k, v), q[:1], k, v, seq_lens[:1], pt[:1], 16, [0])
+    for _ in range(50):
+        batch = int(torch.randint(1, 513, (1,), generator=gen))
+        rows = (torch.randperm(511, generator=gen)[:batch - 1] + 1).tolist()
+        pos = int(torch.randint(0, batch, (1,), generator=gen))
+        rows.insert(pos, 0)
+        idx = torch.tensor(rows, device="cuda")
+        attn.plan(seq_lens[idx], pt[idx])
+        out = attn.run(q[idx], k, v)
+        assert torch.equal(out[pos], want), (batch, pos)

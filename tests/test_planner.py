@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from planner_oracle import fa3_plan, simulate_stream, stream_merge_programs, stream_merge_reads, stream_plan
+from planner_oracle import chunked_plan, fa3_plan, simulate_stream, stream_merge_programs, stream_merge_reads, stream_plan
 
 BLOCK_N = evenkv.decode_config("sm90", 128).block_n
 
@@ -107,13 +107,17 @@ def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas):
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
 
 
-def _check_fa3(device, lens, num_kv_heads):
-    attn = _attn(device, "fa3", num_kv_heads, max(len(lens), 1), 8)
+def _check_fa3(device, lens, num_kv_heads, deterministic=False):
+    attn = evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, 16, torch.float16, device, max(len(lens), 1),
+                                  64, "balanced" if deterministic else "fa3", num_ctas=8, deterministic=deterministic)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     page_table = torch.zeros(len(lens), 64, dtype=torch.int32, device=device)
     plan = attn.plan(seq_lens, page_table)
     s = plan.schedule
-    want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
+    if deterministic:
+        want = chunked_plan(lens, 64 * 16, num_kv_heads, attn.config.block_n)
+    else:
+        want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
     b = len(lens)
     np.testing.assert_array_equal(s.req_splits[:b].cpu().numpy(), want["req_splits"])
     np.testing.assert_array_equal(s.req_tiles_per_split[:b].cpu().numpy(), want["req_tiles_per_split"])
@@ -138,9 +142,17 @@ def test_fa3_worked_example():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]))
-def test_fa3_plan_properties(device, lens, num_kv_heads):
-    _check_fa3(device, lens, num_kv_heads)
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]), deterministic=st.booleans())
+def test_unit_plan_properties(device, lens, num_kv_heads, deterministic):
+    """fa3 and deterministic unit plans equal the oracle; units cover each request's tiles."""
+    _check_fa3(device, lens, num_kv_heads, deterministic)
+
+
+def test_deterministic_splits_depend_on_own_length_only():
+    a = chunked_plan([5000, 3, 0, 40000], 10**6, 4, 64)
+    b = chunked_plan([1, 5000, 1, 1, 1, 40000, 9999], 10**6, 4, 64)
+    assert a["req_splits"][[0, 3]].tolist() == b["req_splits"][[1, 5]].tolist() == [3, 16]
+    assert a["req_tiles_per_split"][[0, 3]].tolist() == b["req_tiles_per_split"][[1, 5]].tolist()
 
 
 def test_plan_clamps_int64_lengths_past_int32(device):
