@@ -131,7 +131,7 @@ def test_large_cache_offsets_pass_int32():
 
 def test_deterministic_batch_invariance_50_batches():
     """deterministic=True: one request of 100K tokens in 50 random batches (B up to 512,
-    every distribution, random position) gives bitwise identical bytes."""
+    neighbours of 1-20K tokens, random position) gives bitwise identical bytes."""
     gen = torch.Generator().manual_seed(4)
     pool_lens = [100_000] + [int(x) for x in torch.randint(1, 20_000, (511,), generator=gen)]
     q, k, v, seq_lens, pt = build(pool_lens, 16, seed=5)
