@@ -160,3 +160,18 @@ def test_deterministic_from_environment(device, monkeypatch):
     assert not evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4, deterministic=False).deterministic
     monkeypatch.setenv("EVENKV_DETERMINISTIC", "0")
     assert not evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4).deterministic
+
+
+def test_lse_merge_of_key_splits_equals_full_attention():
+    """The identity every split-KV schedule relies on: attention over disjoint key ranges,
+    merged by log-sum-exp, equals attention over all keys (incl. an empty range)."""
+    from evenkv.kernels.reference import attention_reference, merge_reference
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 64, generator=gen)
+    k = torch.randn(300, 2, 64, generator=gen) * 3
+    v = torch.randn(300, 2, 64, generator=gen)
+    full, _ = attention_reference(q, k, v, 0.125)
+    cuts = [0, 1, 1, 90, 299, 300]
+    parts = [attention_reference(q, k[a:b], v[a:b], 0.125) for a, b in zip(cuts, cuts[1:])]
+    merged = merge_reference(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
