@@ -17,9 +17,9 @@ Two kernels walk the segments, one per scheduling mode:
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
 Both kernels share ``_attend_tiles`` (online softmax over a tile range) and
-``_store_rows``. Softmax is computed in base 2: q is pre-scaled by
-``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module is a
-base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
+``_store_rows``. Softmax is computed in base 2: the fp32 scores are
+scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
+is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
 """
 
@@ -28,23 +28,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2,
+def _load_q(q_ptr, stride_qb, stride_qh, b, h,
             G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows g < G of q[b, h*G + g, :], scaled; rows >= G are zero (they only pad the dot)."""
+    """Rows g < G of q[b, h*G + g, :] as stored; rows >= G are zero (they only pad the dot).
+
+    The softmax scale is applied to the fp32 scores, not to q: scaling q and rounding it
+    back to fp16/bf16 would overflow for |q| * sm_scale * log2(e) > 65504 (fp16) and add a
+    rounding step."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
     ptrs = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(ptrs, mask=mask, other=0.0)
-    return (q.to(tl.float32) * sm_scale_log2).to(q.dtype)
+    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  page_row_ptr, h, seq_len, tile_begin, tile_end,
+                  page_row_ptr, h, seq_len, tile_begin, tile_end, sm_scale_log2,
                   PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax of q against tiles [tile_begin, tile_end) of one segment.
+    """Online softmax of q against tiles [tile_begin, tile_end) of one segment; scores are
+    scaled by ``sm_scale * log2(e)`` in fp32.
 
     Returns (acc [G_PAD, BLOCK_D] fp32, unnormalised), m [G_PAD] (running base-2 max)
     and l [G_PAD] (running sum). Tokens at or past ``seq_len`` are masked, so the
@@ -65,7 +69,7 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
         slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -154,10 +158,10 @@ def decode_stream_kernel(
         tile_begin = tl.maximum(pos - seg_lo - SEGMENT_OVERHEAD, 0)
         tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
         if tile_end > tile_begin:
-            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
             acc, m, l = _attend_tiles(
                 q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
+                page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
                 PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
             if (tile_begin == 0) & (tile_end == n_tiles):
                 _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
@@ -289,10 +293,10 @@ def decode_units_kernel(
         # split is 0 whenever num_splits is 1, so tile_begin is 0 there.
         tile_begin = split * tiles_per_split
         tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))
-        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, sm_scale_log2, G, G_PAD, HEAD_DIM, BLOCK_D)
+        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
         acc, m, l = _attend_tiles(
             q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end,
+            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
             PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if num_splits == 1:
             _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)

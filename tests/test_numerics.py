@@ -186,11 +186,9 @@ def test_decode_default_scale_overflow_inputs(device):
     check_decode(out, q, kc, vc, seq_lens, pt, [k for k, _ in batch], sm_scale=1 / math.sqrt(D))
 
 
-@pytest.mark.xfail(strict=True, reason="evenkv decode pre-scales q by sm_scale*log2(e) and rounds it back to fp16 "
-                   "(kernels/decode.py _load_q): |q| * sm_scale * 1.4427 > 65504 becomes inf, so q = 60000 with "
-                   "sm_scale = 1 gives a wrong answer (interpreter: error 2.1 against a 2e-3 bound); extend "
-                   "scales in fp32 and passes the same inputs (test_extend_hostile_values[scale1-*])")
 def test_decode_fp16_q_overflow_with_unit_scale(device):
+    """|q| * sm_scale * log2(e) > 65504: decode must scale the fp32 scores, not q in fp16
+    (it once did, and this case returned an error of 2.1)."""
     batch = [("overflow", 33)]
     q, kc, vc, seq_lens, pt = decode_batch(batch, torch.float16, device, seed=2)
     out = evenkv.decode(q, kc, vc, seq_lens, pt, PAGE, sm_scale=1.0, num_ctas=3)
