@@ -34,20 +34,6 @@ source "$KIT/setup.sh" || exit 1
 source "$ROOT/tests/gpu_site.sh"
 evenkv_site /tmp/evenkv-sglang-site sglang.srt.plugins evenkv.integrations.sglang:register || exit 1
 
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
-# run NAME MAX_SECONDS MIN_SECONDS CMD...: skip if fewer than MIN_SECONDS are left
-run_step() {
-  local name=$1 to=$2 need=$3 l; shift 3
-  l=$(left)
-  if [ "$l" -lt "$need" ]; then echo "== $name SKIPPED (budget: ${l}s left)" | tee -a "$RES"; return 1; fi
-  [ "$to" -gt "$l" ] && to=$l
-  timeout -k 10 "$to" "$@" > "$L/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc at $((SECONDS - T0))s"
-  grep -E "^RESULT" "$L/$name.log" | tee -a "$RES"
-  [ $rc -eq 0 ] || grep -E "Error|error:|Traceback|NotImplemented" "$L/$name.log" | tail -8
-  return $rc
-}
 
 tokens_vs_triton() {  # graphs: compare the prompt_len=... out=[...] lines of two check logs
   local g=$1 a=$L/check-evenkv-g$1.log b=$L/check-triton-g$1.log

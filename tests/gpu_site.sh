@@ -25,3 +25,20 @@ print(f"== evenkv {evenkv.__version__} from {evenkv.__file__}; plugins {eps}; to
       f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE'}", flush=True)
 PY
 }
+
+# Shared by the e2e scripts: run_step NAME MAX_SECONDS MIN_SECONDS CMD... runs CMD with a
+# timeout into $L/NAME.log, skips it if fewer than MIN_SECONDS of the caller's BUDGET
+# (counted from T0) are left, and copies its RESULT lines to $RES.
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+run_step() {
+  local name=$1 to=$2 need=$3 l; shift 3
+  l=$(left)
+  if [ "$l" -lt "$need" ]; then echo "== $name SKIPPED (budget: ${l}s left)" | tee -a "$RES"; return 1; fi
+  [ "$to" -gt "$l" ] && to=$l
+  timeout -k 10 "$to" "$@" > "$L/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc at $((SECONDS - T0))s"
+  grep -E "^RESULT" "$L/$name.log" | tee -a "$RES"
+  [ $rc -eq 0 ] || grep -E "Error|error:|Traceback|NotImplemented|FAIL" "$L/$name.log" | tail -12
+  return $rc
+}

@@ -33,20 +33,6 @@ source "$KIT/setup.sh" || exit 1
 source "$ROOT/tests/gpu_site.sh"
 evenkv_site /tmp/evenkv-vllm-site vllm.general_plugins evenkv.integrations.vllm:register || exit 1
 
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
-# run_step NAME MAX_SECONDS MIN_SECONDS CMD...: skip if fewer than MIN_SECONDS are left
-run_step() {
-  local name=$1 to=$2 need=$3 l; shift 3
-  l=$(left)
-  if [ "$l" -lt "$need" ]; then echo "== $name SKIPPED (budget: ${l}s left)" | tee -a "$RES"; return 1; fi
-  [ "$to" -gt "$l" ] && to=$l
-  timeout -k 10 "$to" "$@" > "$L/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc at $((SECONDS - T0))s"
-  grep -E "^RESULT" "$L/$name.log" | tee -a "$RES"
-  [ $rc -eq 0 ] || grep -E "Error|error:|Traceback|NotImplemented|FAIL" "$L/$name.log" | tail -12
-  return $rc
-}
 
 model() {
   [ -f "$MODEL/config.json" ] && return 0

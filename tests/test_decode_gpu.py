@@ -77,6 +77,19 @@ def test_realistic_shapes(policy, arch, page_size):
         check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
 
 
+def capture_plan_run(attn, q, k, v, seq_lens, pt, out):
+    """Warm up (compile) outside the capture, then capture plan + run into one CUDA graph
+    that reads seq_lens/pt/q and writes out in place."""
+    attn.plan(seq_lens, pt)
+    attn.run(q, k, v, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.plan(seq_lens, pt)
+        attn.run(q, k, v, out=out)
+    return graph
+
+
 @pytest.mark.parametrize("policy", evenkv.POLICIES)
 def test_cuda_graph_capture_and_replay(policy):
     """Capture plan + run once; replay with other lengths of the same batch size (incl.
@@ -89,13 +102,7 @@ def test_cuda_graph_capture_and_replay(policy):
     attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
     eager = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
     out = torch.empty_like(q)
-    attn.plan(seq_lens, pt)
-    attn.run(q, k, v, out=out)  # warm up (compiles) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn.plan(seq_lens, pt)
-        attn.run(q, k, v, out=out)
+    graph = capture_plan_run(attn, q, k, v, seq_lens, pt, out)
     for step in range(20):
         lens = torch.randint(0, max_len + 1, (batch,), generator=gen)
         if step % 3 == 0:

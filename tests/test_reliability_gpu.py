@@ -21,7 +21,7 @@ import torch
 
 import evenkv
 from evenkv.kernels.reference import extend_reference
-from test_decode_gpu import check_sample
+from test_decode_gpu import capture_plan_run, check_sample
 from test_extend import assert_tolerance
 
 pytestmark = [pytest.mark.gpu,
@@ -215,17 +215,6 @@ def _attn(policy, deterministic, pt):
                                   policy, deterministic=deterministic)
 
 
-def _capture(attn, q, k, v, seq_lens, pt, out):
-    attn.plan(seq_lens, pt)
-    attn.run(q, k, v, out=out)  # warm up (compiles) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn.plan(seq_lens, pt)
-        attn.run(q, k, v, out=out)
-    return graph
-
-
 @pytest.mark.parametrize("policy,deterministic", VARIANTS, ids=VARIANT_IDS)
 def test_cuda_graph_1000_replays_growing_requests(graph_pool, policy, deterministic):
     """One capture at max batch; 1000 replays of a decode loop: every live request grows
@@ -238,7 +227,7 @@ def test_cuda_graph_1000_replays_growing_requests(graph_pool, policy, determinis
     q = q0.clone()
     seq_lens = torch.full((b,), GRAPH_MAX_LEN, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    graph = _capture(_attn(policy, deterministic, pt), q, k, v, seq_lens, pt, out)
+    graph = capture_plan_run(_attn(policy, deterministic, pt), q, k, v, seq_lens, pt, out)
     eager = _attn(policy, deterministic, pt)
 
     lens = torch.randint(1, GRAPH_MAX_LEN // 2, (b,), generator=gen)
@@ -288,7 +277,7 @@ def test_cuda_graph_replays_across_capture_sizes(graph_pool, policy, determinist
     seq_lens = torch.full((GRAPH_MAX_BATCH,), GRAPH_MAX_LEN, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     attn = _attn(policy, deterministic, pt)
-    graphs = {s: _capture(attn, q[:s], k, v, seq_lens[:s], pt[:s], out[:s]) for s in CAPTURE_SIZES}
+    graphs = {s: capture_plan_run(attn, q[:s], k, v, seq_lens[:s], pt[:s], out[:s]) for s in CAPTURE_SIZES}
     eager = _attn(policy, deterministic, pt)
     used = set()
     for step in range(300):
