@@ -59,6 +59,15 @@ def check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batc
         raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype}")
 
 
+def check_batch_limits(batch: int, page_table: torch.Tensor, max_batch_size: int, max_pages_per_request: int) -> None:
+    """A planned batch must fit the workspaces sized at construction."""
+    if batch > max_batch_size:
+        raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={max_batch_size}")
+    if page_table.shape[1] > max_pages_per_request:
+        raise ValueError(f"page_table: expected at most max_pages_per_request={max_pages_per_request} "
+                         f"columns, got {page_table.shape[1]}")
+
+
 def resolve_device(device) -> torch.device:
     """torch.device(device), with a bare "cuda" pinned to the current device index."""
     device = torch.device(device)

@@ -19,7 +19,7 @@ import torch
 from evenkv.kernels import decode_launch as launch
 
 from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
-from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_positive_int,
+from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits, check_positive_int,
                      check_tensor, resolve_device)
 from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
                        plan_chunked_units, plan_fa3_units)
@@ -167,11 +167,7 @@ class DecodeAttention:
         check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=self.device)
         batch = seq_lens.shape[0]
         check_tensor("page_table", page_table, shape=(batch, None), dtypes=(torch.int32,), device=self.device)
-        if batch > self.max_batch_size:
-            raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={self.max_batch_size}")
-        if page_table.shape[1] > self.max_pages_per_request:
-            raise ValueError(f"page_table: expected at most max_pages_per_request={self.max_pages_per_request} "
-                             f"columns, got {page_table.shape[1]}")
+        check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         if batch > 0 and page_table.stride(1) != 1:
             raise ValueError(f"page_table: expected unit stride in the last dim, got strides {page_table.stride()}")
         capacity = page_table.shape[1] * self.page_size

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .arch import resolve_arch
-from .checks import check_attention_layout, check_positive_int, check_tensor, resolve_device
+from .checks import check_attention_layout, check_batch_limits, check_positive_int, check_tensor, resolve_device
 from .decode import POLICIES, DecodeAttention, debug_enabled
 from .extend import (ExtendConfig, ExtendPlan, check_batch_metadata, check_cache, check_head_dim,
                      check_lengths_on_host, extend_config, normalize_logit_cap, normalize_sm_scale, normalize_window,
@@ -107,11 +107,7 @@ class MixedAttention:
         max_q_len: host int >= every q length of requests [num_decodes, B) (1 if none).
         """
         batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, self.device)
-        if batch > self.max_batch_size:
-            raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={self.max_batch_size}")
-        if page_table.shape[1] > self.max_pages_per_request:
-            raise ValueError(f"page_table: expected at most max_pages_per_request={self.max_pages_per_request} "
-                             f"columns, got {page_table.shape[1]}")
+        check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected a host int, got {type(value).__name__}")

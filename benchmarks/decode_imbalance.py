@@ -520,6 +520,15 @@ def discover(args, device, quiet=False) -> tuple:
     return impls, skipped
 
 
+def run_once(runner, batch) -> None:
+    """Prepare, plan and run once into a NaN-filled output (a row left unwritten shows)."""
+    runner.prepare(batch)
+    runner.plan()
+    batch.out.fill_(float("nan"))
+    runner.run()
+    torch.cuda.synchronize()
+
+
 class Stop(Exception):
     pass
 
@@ -600,11 +609,7 @@ class Bench:
                         continue
                     r = runners[it.name]
                     try:
-                        r.prepare(batch)
-                        r.plan()
-                        batch.out.fill_(float("nan"))
-                        r.run()
-                        torch.cuda.synchronize()
+                        run_once(r, batch)
                         ok, err, tol = compare_rows(batch.out, refs, self.dtype)
                     except Exception as e:  # noqa: BLE001
                         msg = self.handle_error(e)
@@ -650,11 +655,7 @@ class Bench:
         a, timer = self.args, self.timer
         row = {"config": runner.config, "config_detail": getattr(runner, "config_repr", "")}
         try:
-            runner.prepare(batch)
-            runner.plan()
-            batch.out.fill_(float("nan"))
-            runner.run()
-            torch.cuda.synchronize()
+            run_once(runner, batch)
             if not bool(torch.isfinite(batch.out).all()):
                 return {**row, "status": "wrong", "detail": "non-finite output (NaN-filled output not written?)"}
             t0 = time.perf_counter()

@@ -50,6 +50,13 @@ FA3_AUTO = "fa3-auto"
 
 # ----------------------------------------------------------------------------- loading
 
+
+def _panels(plt, count: int):
+    """A grid of up to 4 columns of panels sharing both axes, one per implementation."""
+    ncol = min(4, count)
+    nrow = math.ceil(count / ncol)
+    return plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False, sharex=True, sharey=True)
+
 def csv_paths(inputs) -> list:
     paths = []
     for p in inputs:
@@ -388,10 +395,7 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
         title = f"{g[0]}, T={g[1]}, page {g[2]} ({sub[0]['gpu']})"
         copy_bw = sub[0]["copy_rw_tbps"]
         for kind in ("time", "frac"):
-            ncol = min(4, len(names))
-            nrow = math.ceil(len(names) / ncol)
-            fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False,
-                                     sharex=True, sharey=True)
+            fig, axes = _panels(plt, len(names))
             for ax, n in zip(axes.flat, names):
                 for dist in DIST_ORDER:
                     pts = sorted((r["B"], r["us_med"] if kind == "time" else r["frac_copy"])
@@ -424,10 +428,7 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
         peers = [n for n in names if not n.startswith("evenkv")]
         mine = {(r["B"], r["dist"]): r["us_med"] for r in sub if r["name"] == ours}
         if peers and mine:
-            ncol = min(4, len(peers))
-            nrow = math.ceil(len(peers) / ncol)
-            fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False,
-                                     sharex=True, sharey=True)
+            fig, axes = _panels(plt, len(peers))
             for ax, n in zip(axes.flat, peers):
                 for dist in DIST_ORDER:
                     pts = sorted((r["B"], mine[(r["B"], dist)] / r["us_med"]) for r in sub
