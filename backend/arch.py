@@ -29,6 +29,10 @@ class DecodeConfig:
     segment_overhead: fixed cost of starting a (request, KV head) segment, in tiles,
         charged by the balanced partition (Q load, softmax state, epilogue store).
     merge_num_warps: of the LSE merge kernel.
+    merge_rows: query rows (of a segment's G) per merge program; fewer rows give a
+        segment cut into many pieces more programs and wider steps over its pieces.
+    max_registers: per-thread register cap of the decode kernels (ptx .maxnreg), or None
+        for the compiler's choice; a lower cap fits more resident CTAs per SM.
     """
 
     name: str
@@ -38,6 +42,8 @@ class DecodeConfig:
     max_ctas_per_sm: int
     segment_overhead: int
     merge_num_warps: int = 4
+    merge_rows: int = 1
+    max_registers: int | None = None
 
 
 # Provenance: benchmarks/tune_decode.py on one H200 (2026-11-30), balanced policy,
@@ -47,13 +53,18 @@ class DecodeConfig:
 # (bn32-w4-s4-c4), which it beats on the sum over points. sm80 keeps Ampere's usual two
 # cp.async stages and two CTAs per SM (A100: 164 KiB shared memory, 108 SMs); it runs on
 # Hopper too, measured slower there. head_dim 256: half the tile, unmeasured yet.
+# sm90 max_registers 128 (benchmarks/breakdown_decode.py, run 2026-11-30, results in
+# benchmarks/results/2026-11-30-h200-run2/breakdown): the compiler's 153 registers fit 3
+# CTAs per SM, 128 fit 4; B = 2048 Skewed40 207 -> 190 us, B = 2048 Uniform 174 -> 168,
+# B <= 128 +2 us (146 -> 148). The worst point is what the partition must flatten.
 _TABLES = {
     "sm80": {
         "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
         "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
     },
     "sm90": {
-        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),
+        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1,
+                              max_registers=128),
         "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),
     },
 }

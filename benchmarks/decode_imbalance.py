@@ -668,8 +668,11 @@ class Bench:
             times = sorted(timer.events(runner.run, reps, host_us))
             plan_dev = plan_host = ""
             if type(runner).plan is not Runner.plan:  # it has a plan step
-                plan_dev = f"{statistics.median(timer.events(runner.plan, a.plan_reps, 50.0, flush=False)):.2f}"
-                plan_host = f"{timer.host_plan(runner.plan, a.plan_reps):.2f}"
+                # The host time first: the GPU sleep ahead of the timed plans must cover their
+                # enqueue, or the host's launch latency lands between the events.
+                host_plan_us = timer.host_plan(runner.plan, a.plan_reps)
+                plan_dev = f"{statistics.median(timer.events(runner.plan, a.plan_reps, host_plan_us, flush=False)):.2f}"
+                plan_host = f"{host_plan_us:.2f}"
             detail = runner.describe()
         except Exception as e:  # noqa: BLE001
             return {**row, "status": "error", "detail": self.handle_error(e)}

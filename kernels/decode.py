@@ -179,55 +179,59 @@ def decode_stream_kernel(
 
 
 @triton.jit
-def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
+def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
                  first, count, slot_a, slot_c, slot_first_extra,
-                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Merge columns [col0, col0 + BLOCK_COLS) of partials i = first .. first+count-1,
-    stored at slot a*i + c (+extra for i == first).
+                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Merge query rows [row0, row0 + ROWS) of partials i = first .. first+count-1, stored
+    at slot a*i + c (+extra for i == first), into ``out``.
 
-    Column j of a partial is query row j // HEAD_DIM, dim j % HEAD_DIM. Vectorised over
-    BLOCK_P partials at a time, so a request cut into many pieces costs a few dependent
-    loads, not one per piece. Base-2 LSE; the result depends only on the partials.
+    A [BLOCK_P partials, ROWS, BLOCK_D] tile per step, so a segment cut into many pieces
+    costs a few dependent loads, not one per piece. The softmax weights are per (partial,
+    row) and broadcast over the head dim (one exp2 per row, not per element). Base-2 LSE;
+    the result depends only on the partials.
     """
     offs_p = tl.arange(0, BLOCK_P)
-    offs_j = col0 + tl.arange(0, BLOCK_COLS)
-    row = offs_j // HEAD_DIM
-    mask_j = offs_j < G * HEAD_DIM
-    m = tl.full([BLOCK_COLS], float("-inf"), tl.float32)
-    weight = tl.zeros([BLOCK_COLS], tl.float32)
-    acc = tl.zeros([BLOCK_COLS], tl.float32)
+    offs_r = row0 + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < G
+    mask_d = offs_d < HEAD_DIM
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    weight = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for p0 in range(first, first + count, BLOCK_P):
         i = p0 + offs_p
-        mask_p = i < first + count
         slot = (slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)).to(tl.int64)
-        mask = mask_p[:, None] & mask_j[None, :]
-        lse = tl.load(lse_part_ptr + slot[:, None] * G + row[None, :], mask=mask, other=float("-inf"))
-        o = tl.load(o_part_ptr + slot[:, None] * (G * HEAD_DIM) + offs_j[None, :], mask=mask, other=0.0)
+        mask_pr = (i < first + count)[:, None] & mask_r[None, :]
+        row_index = slot[:, None] * G + offs_r[None, :]
+        lse = tl.load(lse_part_ptr + row_index, mask=mask_pr, other=float("-inf"))
+        o = tl.load(o_part_ptr + row_index[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=mask_pr[:, :, None] & mask_d[None, None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(lse - safe_m[None, :])
         alpha = tl.exp2(m - safe_m)
-        acc = acc * alpha + tl.sum(w * o, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         weight = weight * alpha + tl.sum(w, 0)
         m = m_new
-    res = acc / tl.where(weight > 0, weight, 1.0)
-    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + row).to(tl.int64) * stride_oh + offs_j % HEAD_DIM
-    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_j)
+    res = acc / tl.where(weight > 0, weight, 1.0)[:, None]
+    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + offs_r[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
+    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def merge_stream_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr,
     plan_scalars_ptr, stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEGMENT_OVERHEAD: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Grid (C, column chunks). Program j merges the segment that CTA boundary j*piece
+    """Grid (C, row chunks). Program j merges the segment that CTA boundary j*piece
     cuts, if j is the first boundary inside that segment's tiles: one program per cut
     segment, whatever the batch size (a segment-indexed grid would be mostly idle at
     large B, and serial over pieces at small B)."""
     j = tl.program_id(0)
-    col0 = tl.program_id(1) * BLOCK_COLS
+    row0 = tl.program_id(1) * ROWS
     piece = tl.load(plan_scalars_ptr)
     num_active = tl.load(plan_scalars_ptr + 2)
     x = j * piece
@@ -245,8 +249,8 @@ def merge_stream_kernel(
             first_cta = first_tile // piece
             last_cta = (first_tile + n_tiles - 1) // piece
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
-                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_COLS, BLOCK_P)
+            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
+                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
 
 
 @triton.jit
@@ -317,17 +321,17 @@ def decode_units_kernel(
 def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr,
     stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_COLS: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Grid (B * Hkv, column chunks): merge the splits of a request that has more than
+    """Grid (B * Hkv, row chunks): merge the splits of a request that has more than
     one; split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h."""
     seg = tl.program_id(0)
-    col0 = tl.program_id(1) * BLOCK_COLS
+    row0 = tl.program_id(1) * ROWS
     b = seg // NUM_KV_HEADS
     h = seg % NUM_KV_HEADS
     num_splits = tl.load(req_splits_ptr + b)
     if num_splits > 1:
         base = tl.load(req_split_base_ptr + b)
-        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, col0,
-                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_COLS, BLOCK_P)
+        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
+                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)

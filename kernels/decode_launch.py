@@ -12,14 +12,15 @@ from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kern
 from .kv_write import kv_write_kernel
 from .plan import plan_stream_kernel
 
-# The prepare kernel answers this many CTAs per program and scans the batch in
-# chunks of PLAN_BLOCK_B requests (a [64, 256] compare tile per step).
-PLAN_BLOCK_C = 64
-PLAN_BLOCK_B = 256
-# The merge kernel's tile: [MERGE_TILE // MERGE_COLS partials, MERGE_COLS columns],
-# 32 fp32 per thread at 4 warps.
+# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests and
+# answers PLAN_COMPARE_TILE // chunk CTAs per program (a [CTAs, chunk] compare tile).
+# Each chunk is a dependent step (load, cumsum, carry), so one chunk per pass keeps the
+# whole plan at two load latencies up to B = 2048.
+PLAN_MAX_BLOCK_B = 2048
+PLAN_COMPARE_TILE = 32768
+# The merge kernel's tile: [BLOCK_P partials, config.merge_rows query rows, head dim] of
+# MERGE_TILE elements, 32 fp32 per thread at 4 warps.
 MERGE_TILE = 4096
-MERGE_COLS = 256
 
 
 def group_rows(group_size: int) -> int:
@@ -32,22 +33,28 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-def _merge_constants(group_size: int, head_dim: int) -> dict:
-    """The merge splits the G * D columns of a segment into chunks of MERGE_COLS (one
-    program each) and reduces [BLOCK_P partials, MERGE_COLS] tiles of MERGE_TILE elements."""
-    cols = min(MERGE_COLS, triton.next_power_of_2(group_size * head_dim))
-    return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_COLS=cols, BLOCK_P=MERGE_TILE // cols)
+def _merge_constants(group_size: int, head_dim: int, config) -> dict:
+    """The merge gives each program ``config.merge_rows`` of a segment's G query rows and
+    reduces [BLOCK_P partials, rows, head dim] tiles of MERGE_TILE elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    rows = min(config.merge_rows, triton.next_power_of_2(group_size))
+    return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows,
+                BLOCK_P=max(1, MERGE_TILE // (rows * block_d)))
 
 
 def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
                        capacity: int, num_ctas: int, num_kv_heads: int, block_n: int, segment_overhead: int):
-    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``)."""
-    grid = (triton.cdiv(num_ctas, PLAN_BLOCK_C),)
-    plan_stream_kernel[grid](
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``).
+
+    The chunk is the batch rounded up to a power of two (128 .. PLAN_MAX_BLOCK_B), so a
+    graph captured at one batch size keeps one compiled variant."""
+    block_b = min(max(triton.next_power_of_2(seq_lens.shape[0]), 128), PLAN_MAX_BLOCK_B)
+    block_c = min(PLAN_COMPARE_TILE // block_b, 64)
+    plan_stream_kernel[(triton.cdiv(num_ctas, block_c),)](
         seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
         seq_lens.shape[0], capacity, num_ctas,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, SEGMENT_OVERHEAD=segment_overhead,
-        BLOCK_B=PLAN_BLOCK_B, BLOCK_C=PLAN_BLOCK_C, num_warps=4)
+        BLOCK_B=block_b, BLOCK_C=block_c, num_warps=8 if block_b >= 1024 else 4)
 
 
 def _cache_strides(q, k_cache, v_cache, out, page_table):
@@ -65,15 +72,15 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, p
         cta_first_req, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
         q.shape[0], **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps)
+        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
 def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
                         num_ctas: int, num_kv_heads: int, config):
-    """Grid (C, column chunks): one program per CTA boundary (see merge_stream_kernel)."""
+    """Grid (C, row chunks): one program per CTA boundary (see merge_stream_kernel)."""
     group = out.shape[1] // num_kv_heads
-    consts = _merge_constants(group, out.shape[2])
-    grid = (num_ctas, triton.cdiv(group * out.shape[2], consts["BLOCK_COLS"]))
+    consts = _merge_constants(group, out.shape[2], config)
+    grid = (num_ctas, triton.cdiv(group, consts["ROWS"]))
     merge_stream_kernel[grid](
         o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
         out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
@@ -91,14 +98,14 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, pa
         *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
         **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        PERSISTENT=persistent, num_warps=config.num_warps)
+        PERSISTENT=persistent, num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
 def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, config):
     batch, num_q_heads, head_dim = out.shape
     group = num_q_heads // num_kv_heads
-    consts = _merge_constants(group, head_dim)
-    merge_units_kernel[(batch * num_kv_heads, triton.cdiv(group * head_dim, consts["BLOCK_COLS"]))](
+    consts = _merge_constants(group, head_dim, config)
+    merge_units_kernel[(batch * num_kv_heads, triton.cdiv(group, consts["ROWS"]))](
         o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, num_warps=config.merge_num_warps, **consts)
 

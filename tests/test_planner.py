@@ -79,6 +79,10 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
     ([5000] + [1] * 40, 4, 16),
     ([64] * 33, 8, 132),
     ([1024, 1024, 3, 0, 7], 2, 5),
+    # Batches past one scan chunk (the chunk is the batch rounded up to a power of two,
+    # at most 2048): the carries between chunks and the narrower compare tiles.
+    ([(37 * i) % 1025 for i in range(300)], 4, 132),
+    ([(13 * i) % 70 for i in range(2500)] + [1024], 2, 40),
 ])
 def test_stream_plan_matches_oracle(device, lens, num_kv_heads, num_ctas):
     want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
