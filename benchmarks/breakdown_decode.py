@@ -16,7 +16,6 @@ three times for a profiler:
 """
 
 import argparse
-import csv
 import dataclasses
 import sys
 
@@ -24,21 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import evenkv
-from tune_decode import D, HKV, HQ, copy_bandwidth, lengths
-
-
-def make_batch(total, batch, dist, page, k_pages):
-    lens = lengths(total, batch, dist)
-    pages = [(n + page - 1) // page for n in lens]
-    perm = torch.randperm(k_pages, device="cuda").int()
-    pt = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
-    off = 0
-    for b, n in enumerate(pages):
-        pt[b, :n] = perm[off:off + n]
-        off += n
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    return q, seq_lens, pt
+from tune_decode import D, HKV, HQ, copy_bandwidth, make_batch, write_csv
 
 
 def kernel_means_us(fn, flush, reps=20) -> dict:
@@ -130,10 +115,7 @@ def main():
             capped.plan(seq_lens, pt)
             emit_run(spec, f"balanced max_registers {regs}", capped, q, out)
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,30 @@ def lengths(total, batch, dist):
     return big + [rest // n + (1 if i < rest % n else 0) for i in range(n)]
 
 
+def make_batch(total, batch, dist, page, num_pages):
+    """q [B, HQ, D] bf16, seq_lens [B] int32 and a page table [B, max pages] int32 of
+    random distinct pages out of ``num_pages``, for ``total`` tokens split by ``dist``."""
+    lens = lengths(total, batch, dist)
+    pages = [(n + page - 1) // page for n in lens]
+    perm = torch.randperm(num_pages, device="cuda").int()
+    pt = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
+    off = 0
+    for b, n in enumerate(pages):
+        pt[b, :n] = perm[off:off + n]
+        off += n
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return q, seq_lens, pt
+
+
+def write_csv(path, rows):
+    """rows (dicts with the same keys) -> a CSV file with a header."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def copy_bandwidth(nbytes=2**30):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -88,16 +112,7 @@ def main():
     kv_bytes = 2 * total * HKV * D * 2
     for batch in map(int, args.batches.split(",")):
         for dist in args.dists.split(","):
-            lens = lengths(total, batch, dist)
-            pages = [(n + page - 1) // page for n in lens]
-            perm = torch.randperm(pages_needed, device="cuda").int()
-            pt = torch.zeros(batch, max(pages), dtype=torch.int32, device="cuda")
-            off = 0
-            for b, n in enumerate(pages):
-                pt[b, :n] = perm[off:off + n]
-                off += n
-            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+            q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed)
             for cfg, policy in itertools.product(configs, args.policies.split(",")):
                 try:
                     attn = evenkv.DecodeAttention(HQ, HKV, D, page, q.dtype, "cuda", batch, pt.shape[1], policy,
@@ -113,10 +128,7 @@ def main():
                                  page=page, us=round(us, 2), frac_copy=round(frac, 4)))
                 print(f"{cfg.name:24s} {policy:8s} C={attn.num_ctas:4d} B={batch:5d} {dist:9s} "
                       f"{us:9.1f} us {100 * frac:6.1f} %", flush=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
 
 
 if __name__ == "__main__":
