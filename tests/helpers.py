@@ -1,8 +1,14 @@
-"""Shared test helpers: paged batches, the tolerance rule, a low-precision torch baseline."""
+"""Shared test helpers: paged batches, the tolerance rule, a low-precision torch baseline,
+ahead-of-time compiles for CUDA targets."""
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from evenkv.kernels.reference import decode_reference, gather_request_kv
@@ -73,3 +79,17 @@ def assert_close_to_reference(out, q, k_cache, v_cache, seq_lens, page_table, pa
     bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
     assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {q.dtype} error {base:.3e})"
     return err, bound
+
+
+def aot_compile(spec: dict) -> list:
+    """Compile a kernel for CUDA targets on this machine (tests/aot_compile.py, in a fresh
+    interpreter without TRITON_INTERPRET); one dict per variant (regs, stack, shared,
+    wgmma, cp_async). Skips when this Triton build has no CUDA toolchain."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("aot_compile.py")
+    proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0 and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
+        pytest.skip(f"no CUDA toolchain in this Triton build: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

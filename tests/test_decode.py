@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import evenkv
-from helpers import assert_close_to_reference, lane_dtype, make_paged_batch
+from helpers import aot_compile, assert_close_to_reference, lane_dtype, make_paged_batch
 
 BATCHES = {
     "uniform": [40, 40, 40, 40],
@@ -175,3 +175,61 @@ def test_lse_merge_of_key_splits_equals_full_attention():
     parts = [attention_reference(q, k[a:b], v[a:b], 0.125) for a, b in zip(cuts, cuts[1:])]
     merged = merge_reference(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
     torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("merge_rows", [1, 2, 4])
+@pytest.mark.parametrize("policy", ["balanced", "fa3"])
+def test_merge_row_chunks(device, policy, merge_rows):
+    """The merge's row chunks: G = 7 (the last chunk of 2 or 4 rows is partly masked) and
+    head_dim 80 (BLOCK_D 128, masked columns), a long request cut into many pieces."""
+    import dataclasses
+    dtype = lane_dtype(torch.float16)
+    attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 40, policy, num_ctas=6)
+    attn.config = dataclasses.replace(attn.config, merge_rows=merge_rows)
+    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch([600, 5, 33], 7, 1, 80, 16, dtype, device)
+    attn.plan(seq_lens, page_table)
+    assert_close_to_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
+
+
+# One SM of an H100/H200 (sm90) and of an A100 (sm80): 64K registers, shared memory per SM.
+SM_REGISTERS = 65536
+SM_SHARED = {90: 228 * 1024, 80: 164 * 1024}
+
+
+def _resident_ctas(result, num_warps, cap):
+    """CTAs per SM allowed by registers (allocated per warp in units of 256) and shared
+    memory (plus the 1 KiB the hardware reserves per CTA)."""
+    regs_per_warp = -(-result["regs"] * 32 // 256) * 256
+    return min(SM_REGISTERS // (regs_per_warp * num_warps), SM_SHARED[cap] // (result["shared"] + 1024))
+
+
+@pytest.mark.parametrize("arch,cap", [("sm90", 90), ("sm80", 80)])
+def test_arch_table_compiles_for_its_target(arch, cap):
+    """Each arch table's decode and merge kernels compile for that target (sm_90a / sm_80,
+    on the CPU with Triton's bundled ptxas); the persistent decode kernel fits the table's
+    resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers at 128 for
+    4 CTAs/SM (the compiler alone takes 153, 3 CTAs/SM), at the cost of a few spilled
+    registers; sm80 fits 2 CTAs/SM in an A100's 164 KiB without spills."""
+    from evenkv.arch import decode_config
+    from evenkv.kernels.decode_launch import _merge_constants, _shape_constants
+    cfg = decode_config(arch, 128)
+    shape = _shape_constants(4, 8, 128)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers is not None:
+        options["maxnreg"] = cfg.max_registers
+    common = dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr"], fp32_ptrs=["o_part_ptr", "lse_part_ptr"],
+                  fp32=["sm_scale_log2"], unaligned=["stride_pt", "batch_size"])
+    stream_consts = dict(shape, PAGE_SIZE=16, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                         SEGMENT_OVERHEAD=cfg.segment_overhead)
+    (stream,) = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
+                                 variants=[dict(cap=cap, consts=stream_consts, options=options)]))
+    assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
+    assert stream["stack"] <= (32 if cfg.max_registers else 0), f"register spills: {stream}"
+    merge = _merge_constants(8, 128, cfg)
+    merge_options = dict(num_warps=cfg.merge_num_warps)
+    for name, consts in [("merge_stream_kernel", dict(merge, NUM_KV_HEADS=4, BLOCK_N=cfg.block_n,
+                                                          SEGMENT_OVERHEAD=cfg.segment_overhead)),
+                         ("merge_units_kernel", dict(merge, NUM_KV_HEADS=4))]:
+        (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
+                                variants=[dict(cap=cap, consts=consts, options=merge_options)]))
+        assert r["stack"] == 0, f"{name}: {r}"

@@ -23,7 +23,7 @@ from evenkv.extend import ExtendConfig, extend
 from evenkv.kernels import extend_launch
 from evenkv.kernels.reference import extend_reference
 from evenkv.mixed import MixedAttention
-from helpers import TOLERANCE_FLOOR, lane_dtype
+from helpers import TOLERANCE_FLOOR, aot_compile, lane_dtype
 
 # Small tiles so tiny batches still span several query blocks and KV tiles (and so
 # exercise the masked/unmasked tile split); the table's own configs run too.
@@ -398,65 +398,27 @@ def test_mixed_bad_plan(device):
 
 # -- ahead-of-time compile for Hopper (no GPU needed) ------------------------------------------
 
-# Run in a fresh interpreter without TRITON_INTERPRET (under it @triton.jit gives
-# interpreter objects that cannot be compiled). Prints per variant: flags, stack bytes,
-# has HGMMA (wgmma), has LDGSTS (cp.async).
-_AOT_SCRIPT = """
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from evenkv.kernels.extend import extend_kernel
-cfg = json.loads(sys.argv[1])
-names = extend_kernel.arg_names
-data = ("q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr")
-sig = {n: ("*bf16" if n in data else "*i32") if n.endswith("_ptr") else "fp32" if n in ("qk_scale", "cap_scale")
-       else "constexpr" if n.isupper() else "i32" for n in names}
-# What the JIT sees for real inputs: 16-byte aligned pointers, strides divisible by 16.
-aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_pt")]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-result = []
-for flags in json.loads(sys.argv[2]):
-    consts = dict(NUM_KV_HEADS=4, G=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                  PAGE_SIZE=16, CAUSAL=True, HAS_NEW=False, WINDOW=False, SOFTCAP=False, BLOCK_B=256,
-                  NUM_STAGES=cfg["num_stages"])
-    consts.update(flags)
-    k = triton.compile(ASTSource(extend_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"]); f.flush()
-        usage = subprocess.run([tools, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([tools, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    result.append([flags, int(usage.split("STACK:")[1].split()[0]), "HGMMA" in sass, "LDGSTS" in sass])
-print(json.dumps(result))
-"""
-
-
 def test_sm90_table_config_compiles_without_spills():
     """The sm90 D=128 config compiles for sm_90a with no register spills, wgmma dots and
     cp.async-pipelined K/V loads, for the vLLM layout and for the SGLang layout with a
     window and a soft-cap (checked on the CPU with Triton's bundled ptxas)."""
     import dataclasses
-    import json
-    import os
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton.backends.nvidia.compiler")
     from evenkv.extend import extend_config
     cfg = dataclasses.asdict(extend_config("sm90", 128, 8, 4096))
+    base = dict(NUM_KV_HEADS=4, G=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                PAGE_SIZE=16, CAUSAL=True, HAS_NEW=False, WINDOW=False, SOFTCAP=False, BLOCK_B=256,
+                NUM_STAGES=cfg["num_stages"])
     variants = [{}, dict(HAS_NEW=True, PAGE_SIZE=1, WINDOW=True, SOFTCAP=True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, json.dumps(cfg), json.dumps(variants)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0 and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr):
-        pytest.skip(f"no CUDA toolchain in this Triton build: {proc.stderr.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for flags, stack, wgmma, cp_async in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert stack == 0, f"{flags}: {stack} bytes of stack (register spills)"
-        assert wgmma and cp_async, f"{flags}: expected wgmma dots and cp.async K/V loads"
+    results = aot_compile(dict(
+        kernel="evenkv.kernels.extend:extend_kernel",
+        bf16=["q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr"], fp32=["qk_scale", "cap_scale"],
+        unaligned=["stride_pt"],
+        variants=[dict(cap=90, consts={**base, **flags},
+                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])) for flags in variants]))
+    for flags, r in zip(variants, results):
+        assert r["stack"] == 0, f"{flags}: {r['stack']} bytes of stack (register spills)"
+        assert r["wgmma"] and r["cp_async"], f"{flags}: expected wgmma dots and cp.async K/V loads"
 
 
 # -- GPU lane: realistic shapes ------------------------------------------------------------------
