@@ -51,6 +51,17 @@ FA3_AUTO = "fa3-auto"
 # ----------------------------------------------------------------------------- loading
 
 
+def _style_panel(ax, title: str, log_y: bool):
+    """One panel: log2 batch-size axis with plain tick labels, optional log y, grid."""
+    from matplotlib.ticker import FuncFormatter
+    ax.set_title(title, fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _panels(plt, count: int):
     """A grid of up to 4 columns of panels sharing both axes, one per implementation."""
     ncol = min(4, count)
@@ -380,7 +391,6 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
     except Exception as e:  # noqa: BLE001
         print(f"[report] plots skipped: matplotlib unavailable ({type(e).__name__}: {e})", flush=True)
         return []
@@ -408,12 +418,7 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
                     ax.axhline(ideal, color="k", ls=":", lw=0.8)
                 if kind == "frac":
                     ax.axhline(1.0, color="k", ls=":", lw=0.8)
-                ax.set_title(n, fontsize=9)
-                ax.set_xscale("log", base=2)
-                ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-                if kind == "time":
-                    ax.set_yscale("log")
-                ax.grid(True, which="both", alpha=0.3)
+                _style_panel(ax, n, log_y=kind == "time")
             for ax in list(axes.flat)[len(names):]:
                 ax.axis("off")
             axes.flat[0].legend(fontsize=7)
@@ -437,11 +442,7 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=colors[dist],
                                 label=dist)
                 ax.axhline(1.0, color="k", ls=":", lw=0.8)
-                ax.set_title(f"{ours} / {n}", fontsize=9)
-                ax.set_xscale("log", base=2)
-                ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-                ax.set_yscale("log")
-                ax.grid(True, which="both", alpha=0.3)
+                _style_panel(ax, f"{ours} / {n}", log_y=True)
             for ax in list(axes.flat)[len(peers):]:
                 ax.axis("off")
             axes.flat[0].legend(fontsize=7)

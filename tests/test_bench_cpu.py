@@ -268,9 +268,10 @@ class _FakeEvent:
         return (other.t - self.t) * 1e3
 
 
-def test_measurement_loop_with_mocked_cuda(tmp_path, monkeypatch):
-    """The whole run (checks, timing, CSV, summary) on the CPU: CUDA events/sync mocked,
-    evenkv under the interpreter. Numbers are meaningless; the bookkeeping is not."""
+@pytest.fixture
+def mocked_cuda(monkeypatch):
+    """The benchmark's CUDA calls (events, sync, sleep, device properties) mocked for a CPU
+    run under the interpreter, plus a tiny shape preset."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs the interpreter lane (CPU)")
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -280,6 +281,11 @@ def test_measurement_loop_with_mocked_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(name="CPU mock", multi_processor_count=2, major=0, minor=0))
     monkeypatch.setitem(di.SHAPES, "tiny", di.Shape("tiny", 4, 2, 64))
+
+
+def test_measurement_loop_with_mocked_cuda(tmp_path, mocked_cuda):
+    """The whole run (checks, timing, CSV, summary) on the CPU: CUDA events/sync mocked,
+    evenkv under the interpreter. Numbers are meaningless; the bookkeeping is not."""
     args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "4", "--dists", "Uniform,Skewed80",
                             "--pages", "16", "--impls", "evenkv-balanced", "--skip", "*@*", "--dtype", "fp16",
                             "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1", "--flush-mib", "1",
@@ -301,10 +307,8 @@ def test_measurement_loop_with_mocked_cuda(tmp_path, monkeypatch):
     assert (run_dir / "summary.md").exists() and list(run_dir.glob("time_tiny_T80_p16.png"))
 
 
-def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch):
+def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
     """An adapter whose output is wrong at a check point is reported 'wrong' everywhere in the group."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("needs the interpreter lane (CPU)")
 
     class Broken(Runner):
         config = "broken"
@@ -319,13 +323,6 @@ def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch):
                                  variants=lambda ctx: [("x", True)], make=lambda v, ctx: Broken(v, ctx))
     monkeypatch.setattr(di, "MODULES", ("broken",))
     monkeypatch.setattr(di, "load", lambda m: fake)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: types.SimpleNamespace(name="CPU mock", multi_processor_count=2, major=0, minor=0))
-    monkeypatch.setitem(di.SHAPES, "tiny", di.Shape("tiny", 4, 2, 64))
     args = di.resolve_args(["--shape", "tiny", "--T", "40", "--B", "2,4", "--dists", "Uniform", "--pages", "1",
                             "--dtype", "fp16", "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1",
                             "--flush-mib", "1", "--copy-mib", "1", "--out", str(tmp_path), "--tag", "w", "--no-plots"])
