@@ -32,7 +32,7 @@ class ExtendConfig:
 
     block_m: packed (query, head) rows per program (PackGQA: block_m / G queries).
     block_n: KV tokens per inner tile.
-    num_warps / num_stages: of the extend kernel (stages = K/V tiles in flight).
+    num_warps / num_stages: of the extend kernel (stages: see EXTEND_CONFIG_CANDIDATES).
     """
 
     name: str
@@ -42,18 +42,21 @@ class ExtendConfig:
     num_stages: int
 
 
-# Provenance: register / shared-memory fit checked by compiling for sm_90a and sm_80
-# with Triton 3.6's ptxas on the CPU machine (no spills, including the SGLang-layout +
-# window + soft-cap variant; e.g. sm90-d128: 184 registers, 96 KiB shared, K/V loads
-# pipelined as cp.async). Rejected there: d64 with 4 warps (255 registers), d128 block_n
-# 32 with 4 warps (spills), sm80-d128 block_n 64 (spills), d256 block_m 128 (255 regs).
-# Speed not yet measured on the H200: benchmarks/prefill.py --sweep-configs times the
-# candidates in EXTEND_CONFIG_CANDIDATES to replace these.
+# Provenance (sm90): benchmarks/prefill.py --sweep-configs and the prefill benchmark on
+# one H200 (benchmarks/results/2026-11-30-h200-run4, README there), Qwen3-30B-A3B
+# attention. The K/V loads wait on the page-table load of the same tile, so Triton's
+# pipeliner keeps (num_stages - 1) // 2 K/V tiles in flight: stages 2-4 give one buffer
+# whose load is issued after the previous tile's dots (no overlap: 264-284 TFLOP/s with a
+# 32K prefix), 5 gives two (341-419 TFLOP/s on prompts >= 2K or prefixes >= 8K); 7 was no
+# better. D = 64 at 5 stages: 286-308 against 181-194 at 3. The d256 row follows the same
+# rule, compile-checked for sm_90a without spills in every layout / window / soft-cap
+# variant, not timed. sm80 keeps Ampere's usual two stages (fit checked by compiling for
+# sm_80; no A100 to time it).
 _TABLES = {
     "sm90": {
-        "d64": ExtendConfig("sm90-d64", block_m=128, block_n=64, num_warps=8, num_stages=3),
-        "d128": ExtendConfig("sm90-d128", block_m=128, block_n=64, num_warps=8, num_stages=3),
-        "d256": ExtendConfig("sm90-d256", block_m=64, block_n=32, num_warps=8, num_stages=2),
+        "d64": ExtendConfig("sm90-d64", block_m=128, block_n=64, num_warps=8, num_stages=5),
+        "d128": ExtendConfig("sm90-d128", block_m=128, block_n=64, num_warps=8, num_stages=5),
+        "d256": ExtendConfig("sm90-d256", block_m=64, block_n=32, num_warps=8, num_stages=5),
     },
     "sm80": {
         "d64": ExtendConfig("sm80-d64", block_m=128, block_n=64, num_warps=8, num_stages=2),
@@ -63,13 +66,14 @@ _TABLES = {
 }
 
 # Short batches (decode-like or spec-verify rows: max_q_len * G small) use a smaller
-# block_m so a program is not mostly padding; 16 is the MMA minimum.
+# block_m so a program is not mostly padding; 16 is the MMA minimum. Blocks of 16 / 32
+# rows run on 4 warps; 64 keeps the table's warps (4 warps spill at 5 stages).
 _SMALL_BLOCK_M = (16, 32, 64)
 
-# Candidates for the H200 sweep (block_m, block_n, num_warps, num_stages) at D = 128,
-# each compiled without spills for sm_90a.
+# Candidates for the H200 sweep, (block_m, block_n, num_warps, num_stages),
+# each compiled without spills for sm_90a at D = 128 (see the provenance note above).
 EXTEND_CONFIG_CANDIDATES = (
-    (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+    (128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 8, 7), (64, 32, 4, 5), (64, 32, 4, 7), (64, 32, 8, 5),
 )
 
 
@@ -86,8 +90,8 @@ def extend_config(arch: str, head_dim: int, group_size: int, max_q_len: int) -> 
     rows = max_q_len * group_size
     for small in _SMALL_BLOCK_M:
         if rows <= small < base.block_m:
-            return ExtendConfig(f"{base.name}-m{small}", block_m=small, block_n=base.block_n, num_warps=4,
-                                num_stages=base.num_stages)
+            return ExtendConfig(f"{base.name}-m{small}", block_m=small, block_n=base.block_n,
+                                num_warps=4 if small < 64 else base.num_warps, num_stages=base.num_stages)
     return base
 
 

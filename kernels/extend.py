@@ -93,6 +93,94 @@ def _request_key(cu_seqlens_ptr, seq_lens_ptr, offs, mask, req_begin,
 
 
 @triton.jit
+def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V row offsets ([BLOCK_N] int64) of the tile's positions ``tile * BLOCK_N + [0,
+    BLOCK_N)`` relative to its source's first position.
+
+    PAGED (the cache, whose first position is 0): position t is read at ``page_table[t //
+    PAGE_SIZE] * stride_page + (t % PAGE_SIZE) * stride_off``. Page sizes and BLOCK_N are
+    powers of two, so a tile is whole pages (its in-page offsets do not depend on the
+    tile: the compiler hoists them out of the loop) or part of one page (one page-table
+    entry). MASKED: entries are read only where in_range (None for unmasked tiles, known
+    to be in range). Not PAGED (k_new / v_new rows): row t at ``t * stride_page``.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGED:
+        if BLOCK_N >= PAGE_SIZE:
+            entry = tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE
+            in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+        else:
+            entry = tl.zeros_like(offs_n) + (tile * BLOCK_N) // PAGE_SIZE
+            in_page = ((tile * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+        if MASKED:
+            page = tl.load(page_row_ptr + entry, mask=in_range, other=0)
+        else:
+            page = tl.load(page_row_ptr + entry)
+        page = page.to(tl.int64)
+        return page * stride_k_page + in_page * stride_k_off, page * stride_v_page + in_page * stride_v_off
+    else:
+        rel = (tile * BLOCK_N + offs_n).to(tl.int64)
+        return rel * stride_k_page, rel * stride_v_page
+
+
+@triton.jit
+def _load_rows(base, row_off, in_range, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``base + row_off`` ([BLOCK_N] int64 offsets) -> [BLOCK_N, BLOCK_D]; rows out of
+    range (MASKED only) and padded dims (D = 80, 96) load as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = base + row_off[:, None] + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale,
+                    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step on raw scores s [BLOCK_M, BLOCK_N] fp32 = q . k.
+
+    MASKED: key tok[j] is seen by row r iff in_range[j], tok[j] <= row_pos[r] and
+    (WINDOW) tok[j] > row_pos[r] - window; unmasked tiles are known to satisfy all three
+    (tok, in_range, row_pos and window are then unused).
+    Returns p [BLOCK_M, BLOCK_N] (unnormalised probabilities, base 2), alpha [BLOCK_M]
+    (the rescale of the old accumulator), and the new m, l [BLOCK_M] fp32.
+    """
+    if SOFTCAP:
+        # cap * tanh(y) in base 2, y = s * sm_scale / cap, tanh(y) = 1 - 2 / (e^{2y} + 1):
+        # qk_scale = 2 * log2(e) * sm_scale / cap, cap_scale = cap * log2(e). Saturates to
+        # +-cap_scale without inf / inf.
+        e = tl.exp2(s * qk_scale)
+        s = cap_scale - (2.0 * cap_scale) / (e + 1.0)
+    if MASKED:
+        seen = in_range[None, :] & (tok[None, :] <= row_pos[:, None])
+        if WINDOW:
+            seen = seen & (tok[None, :] > row_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    # Without a cap the scale is applied inside exp2's argument (one FMA per score;
+    # max commutes with a positive scale).
+    if SOFTCAP:
+        m_new = tl.maximum(m, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - -inf) never makes a NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    if SOFTCAP:
+        p = tl.exp2(s - m_sub[:, None])
+    else:
+        p = tl.exp2(tl.fma(s, qk_scale, -m_sub[:, None]))
+    alpha = tl.exp2(m - m_sub)
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_tiles(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
     page_row_ptr, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale,
@@ -102,79 +190,26 @@ def _attend_tiles(
 ):
     """Online softmax of q [BLOCK_M, BLOCK_D] against tiles [tile_begin, tile_end).
 
-    Tile k holds KV positions tok_base + k*BLOCK_N + [0, BLOCK_N). PAGED: position t
-    is read through the page table (page_row_ptr), at ``page * stride_page + (t %
-    PAGE_SIZE) * stride_off``; otherwise at ``(t - tok_base) * stride_page`` (k_new
-    rows). MASKED: key t is seen by row r iff t < kv_end, t <= row_pos[r] and (WINDOW)
-    t > row_pos[r] - window; unmasked tiles are known to satisfy all three.
+    Tile t holds KV positions tok_base + t*BLOCK_N + [0, BLOCK_N), addressed as in
+    ``_tile_rows``; MASKED tiles are masked as in ``_online_softmax``, the others are
+    seen in full by every row (the bulk of a long prefill, run without mask arithmetic).
     Returns the updated (acc [BLOCK_M, BLOCK_D] fp32 unnormalised, m, l [BLOCK_M] fp32).
     """
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    dim_mask = offs_d[None, :] < HEAD_DIM
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        rel = tile * BLOCK_N + offs_n
-        tok = tok_base + rel
-        in_range = tok < kv_end
-        if PAGED:
-            if MASKED:
-                page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=in_range, other=0)
-            else:
-                page = tl.load(page_row_ptr + tok // PAGE_SIZE)
-            page = page.to(tl.int64)
-            in_page = (tok % PAGE_SIZE).to(tl.int64)
-            k_off = page * stride_k_page + in_page * stride_k_off
-            v_off = page * stride_v_page + in_page * stride_v_off
-        else:
-            k_off = rel.to(tl.int64) * stride_k_page
-            v_off = rel.to(tl.int64) * stride_v_page
-        # Rows past kv_end (masked tiles only) and padded dims (D = 80, 96) load as 0.
-        k_ptrs = k_base + k_off[:, None] + offs_d[None, :]
-        v_ptrs = v_base + v_off[:, None] + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=in_range[:, None] & dim_mask, other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            k = tl.load(k_ptrs)
+            tok = tok_base + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_range = tok < kv_end
         else:
-            k = tl.load(k_ptrs, mask=dim_mask, other=0.0)
+            tok = None
+            in_range = None
+        k_off, v_off = _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page,
+                                  stride_v_off, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
+        k = _load_rows(k_base, k_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
         s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            # cap * tanh(y) in base 2, y = s * sm_scale / cap, tanh(y) = 1 - 2 / (e^{2y} + 1):
-            # qk_scale = 2 * log2(e) * sm_scale / cap, cap_scale = cap * log2(e). Saturates to
-            # +-cap_scale without inf / inf.
-            e = tl.exp2(s * qk_scale)
-            s = cap_scale - (2.0 * cap_scale) / (e + 1.0)
-        if MASKED:
-            seen = in_range[None, :] & (tok[None, :] <= row_pos[:, None])
-            if WINDOW:
-                seen = seen & (tok[None, :] > row_pos[:, None] - window)
-            s = tl.where(seen, s, float("-inf"))
-        # Without a cap the scale is applied inside exp2's argument (one FMA per score;
-        # max commutes with a positive scale).
-        if SOFTCAP:
-            m_new = tl.maximum(m, tl.max(s, 1))
-        else:
-            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        if MASKED:
-            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
-            # exp2(-inf - -inf) never makes a NaN.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        if SOFTCAP:
-            p = tl.exp2(s - m_sub[:, None])
-        else:
-            p = tl.exp2(tl.fma(s, qk_scale, -m_sub[:, None]))
-        alpha = tl.exp2(m - m_sub)
-        l = l * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=in_range[:, None] & dim_mask, other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=dim_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, MASKED,
+                                         WINDOW, SOFTCAP)
+        v = _load_rows(v_base, v_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m, l
 
 
@@ -188,6 +223,29 @@ def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
     f_begin = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo, lo), BLOCK_N), t_begin), t_end)
     f_end = tl.minimum(tl.maximum(tl.minimum(full_hi, hi) // BLOCK_N, f_begin), t_end)
     return t_begin, f_begin, f_end, t_end
+
+
+@triton.jit
+def _attend_source(
+    acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+    page_row_ptr, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Attend to positions [lo, hi) of one source (relative to its first position
+    tok_base): masked tiles, then the tiles inside [full_lo, full_hi) without masks, then
+    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``)."""
+    t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t0, t1, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t1, t2, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t2, t3, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    return acc, m, l
 
 
 @triton.jit
@@ -273,34 +331,18 @@ def extend_kernel(
         k_head = k_ptr + h.to(tl.int64) * stride_k_head
         v_head = v_ptr + h.to(tl.int64) * stride_v_head
         c_hi = tl.minimum(kv_hi, cache_end)
-        t0, t1, t2, t3 = _tile_ranges(kv_lo, c_hi, full_lo, full_hi, BLOCK_N)
-        acc, m, l = _attend_tiles(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
-                                  stride_v_off, page_row, row_pos, 0, t0, t1, cache_end, window, qk_scale,
-                                  cap_scale, True, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  NUM_STAGES)
-        acc, m, l = _attend_tiles(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
-                                  stride_v_off, page_row, row_pos, 0, t1, t2, cache_end, window, qk_scale,
-                                  cap_scale, True, PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  NUM_STAGES)
-        acc, m, l = _attend_tiles(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
-                                  stride_v_off, page_row, row_pos, 0, t2, t3, cache_end, window, qk_scale,
-                                  cap_scale, True, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  NUM_STAGES)
+        acc, m, l = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
+                                   stride_v_off, page_row, row_pos, 0, kv_lo, c_hi, full_lo, full_hi, cache_end,
+                                   window, qk_scale, cap_scale, True, PAGE_SIZE, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, NUM_STAGES)
         if HAS_NEW:
             # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new.
             kn = k_new_ptr + q_begin.to(tl.int64) * stride_knt + h.to(tl.int64) * stride_knh
             vn = v_new_ptr + q_begin.to(tl.int64) * stride_vnt + h.to(tl.int64) * stride_vnh
-            t0, t1, t2, t3 = _tile_ranges(tl.maximum(kv_lo - prefix, 0), kv_hi - prefix, full_lo - prefix,
-                                          full_hi - prefix, BLOCK_N)
-            acc, m, l = _attend_tiles(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos,
-                                      prefix, t0, t1, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
-                                      True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
-            acc, m, l = _attend_tiles(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos,
-                                      prefix, t1, t2, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
-                                      False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
-            acc, m, l = _attend_tiles(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos,
-                                      prefix, t2, t3, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
-                                      True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+            acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos, prefix,
+                                       tl.maximum(kv_lo - prefix, 0), kv_hi - prefix, full_lo - prefix,
+                                       full_hi - prefix, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
+                                       WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
 
         # A row that saw no key (only possible for inconsistent lengths) is written as zeros.
         safe_l = tl.where(l > 0, l, 1.0)

@@ -108,6 +108,8 @@ CASES = [
     pytest.param(8, 2, 128, 16, False, None, id="g8-d128-p16-vllm-table"),
     pytest.param(5, 1, 96, 1, False, SMALL32, id="g5-d96-p1-vllm-small"),
     pytest.param(2, 1, 256, 32, True, None, id="g2-d256-p32-sglang-table"),
+    # Pages larger than the tile: each tile reads one page-table entry.
+    pytest.param(4, 2, 64, 64, False, SMALL, id="g4-d64-p64-vllm-small"),
 ]
 
 
