@@ -57,6 +57,12 @@ class DecodeConfig:
 # benchmarks/results/2026-11-30-h200-run2/breakdown): the compiler's 153 registers fit 3
 # CTAs per SM, 128 fit 4; B = 2048 Skewed40 207 -> 190 us, B = 2048 Uniform 174 -> 168,
 # B <= 128 +2 us (146 -> 148). The worst point is what the partition must flatten.
+# Stages: each K/V load waits on the page-table load of its tile, so Triton's pipeliner
+# keeps (num_stages - 1) // 2 K/V tiles in flight per CTA; stages 2-4 all compile to one.
+# Two to four tiles in flight (stages 5/7/9, fewer CTAs per SM by shared memory) were no
+# faster at B <= 512 and up to 2x slower at B = 2048 (tune_decode.py --configs, run 4:
+# benchmarks/results/2026-11-30-h200-run4/tune/decode-stages-p*.csv): resident CTAs, not
+# per-CTA depth, hide the latency here.
 _TABLES = {
     "sm80": {
         "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),

@@ -11,6 +11,7 @@ in the same process. Usage:
 import argparse
 import csv
 import itertools
+import re
 import sys
 
 import torch
@@ -71,6 +72,16 @@ def copy_bandwidth(nbytes=2**30):
     return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3)
 
 
+def parse_config(name):
+    """'bn64-w4-s5-c3-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, 128 registers)."""
+    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?", name)
+    if match is None:
+        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>], got {name!r}")
+    bn, warps, stages, ctas, regs = match.groups()
+    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=1,
+                        max_registers=int(regs) if regs else None)
+
+
 def time_us(fn, flush, reps=30):
     times = []
     for _ in range(reps):
@@ -93,7 +104,8 @@ def main():
     ap.add_argument("--batches", default="1,8,64,512,2048")
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
-    ap.add_argument("--configs", default="grid", help="'grid' or 'tables'")
+    ap.add_argument("--configs", default="grid",
+                    help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -105,9 +117,11 @@ def main():
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     if args.configs == "tables":
         configs = [evenkv.decode_config(a, D) for a in ("sm80", "sm90")]
-    else:
+    elif args.configs == "grid":
         configs = [DecodeConfig(f"bn{bn}-w{w}-s{s}-c{c}-o{o}", bn, w, s, c, o)
                    for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (1,))]
+    else:
+        configs = [parse_config(name) for name in args.configs.split(",")]
     rows = []
     kv_bytes = 2 * total * HKV * D * 2
     for batch in map(int, args.batches.split(",")):

@@ -363,3 +363,27 @@ def test_python_m_evenkv_bench_dry_run():
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "qwen3-30b-a3b 32/4/128 T=262144 page 16: 16 points" in p.stdout
+
+
+# ----------------------------------------------------------------------------- the other benchmark tools
+
+def test_prefill_cpu_smoke_checks_every_point(tmp_path):
+    """benchmarks/prefill.py end to end under the interpreter: every evenkv point is checked
+    against the fp32 reference (status ok) and both schedules run on the skewed point."""
+    out = tmp_path / "p.csv"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prefill.py"), "--out", str(out), "--cpu-smoke",
+                        "--skewed"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(open(out)))
+    assert rows and all(r["status"] == "ok" for r in rows), [(r["variant"], r["status"], r["max_err"]) for r in rows]
+    assert {r["variant"] for r in rows if r["scenario"] == "skewed"} == {"lpt", "ordered"}
+    assert (tmp_path / "p.md").exists()
+
+
+def test_tune_decode_parses_config_names():
+    import tune_decode
+    cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_ctas_per_sm, cfg.max_registers) == (64, 4, 5, 3, 128)
+    assert tune_decode.parse_config("bn32-w8-s2-c4").max_registers is None
+    with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
+        tune_decode.parse_config("bn64-w4-sX-c3")
