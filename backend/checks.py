@@ -34,6 +34,15 @@ def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple 
     return value
 
 
+def output_like(q: torch.Tensor, out) -> torch.Tensor:
+    """``out`` checked to match the (already checked) ``q``: same shape, dtype and device,
+    unit stride in the last dim; a new tensor like q when ``out`` is None."""
+    if out is None:
+        return torch.empty_like(q)
+    return check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device,
+                        last_dim_contiguous=True)
+
+
 def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")

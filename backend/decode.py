@@ -20,7 +20,7 @@ from evenkv.kernels import decode_launch as launch
 
 from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
 from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits, check_positive_int,
-                     check_tensor, resolve_device)
+                     check_tensor, output_like, resolve_device)
 from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
                        plan_chunked_units, plan_fa3_units)
 
@@ -225,11 +225,7 @@ class DecodeAttention:
                      last_dim_contiguous=True)
         check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.dtype,), device=self.device,
                      last_dim_contiguous=True)
-        if out is None:
-            out = torch.empty_like(q)
-        else:
-            check_tensor("out", out, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device,
-                         last_dim_contiguous=True)
+        out = output_like(q, out)
         if b == 0:
             return out
         if self.debug:

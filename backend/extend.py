@@ -20,7 +20,8 @@ import torch
 from evenkv.kernels import extend_launch as launch
 
 from .arch import resolve_arch
-from .checks import INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor
+from .checks import (INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_positive_int, check_tensor,
+                     output_like)
 from .decode import debug_enabled
 
 SCHEDULES = ("lpt", "ordered")
@@ -334,11 +335,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if config is not None and not isinstance(config, ExtendConfig):
         raise TypeError(f"config: expected ExtendConfig or None, got {type(config).__name__}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_tensor("out", out, shape=(total_q, num_q_heads, head_dim), dtypes=(q.dtype,), device=dev,
-                     last_dim_contiguous=True)
+    out = output_like(q, out)
     if batch == 0 or total_q == 0 or max_q_len == 0:
         return out
     if debug_enabled(debug):

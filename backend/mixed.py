@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .arch import resolve_arch
-from .checks import check_attention_layout, check_batch_limits, check_positive_int, check_tensor, resolve_device
+from .checks import (check_attention_layout, check_batch_limits, check_positive_int, check_tensor, output_like,
+                     resolve_device)
 from .decode import POLICIES, DecodeAttention, debug_enabled
 from .extend import (ExtendConfig, ExtendPlan, check_batch_metadata, check_cache, check_head_dim,
                      check_lengths_on_host, extend_config, normalize_logit_cap, normalize_sm_scale, normalize_window,
@@ -169,11 +170,7 @@ class MixedAttention:
                          last_dim_contiguous=True)
             check_tensor("v_new", v_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
                          last_dim_contiguous=True)
-        if out is None:
-            out = torch.empty_like(q)
-        else:
-            check_tensor("out", out, shape=(total_q, hq, d), dtypes=(self.dtype,), device=self.device,
-                         last_dim_contiguous=True)
+        out = output_like(q, out)
         if plan.batch_size == 0 or total_q == 0:
             return out
         ext = plan.extend
