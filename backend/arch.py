@@ -33,6 +33,8 @@ class DecodeConfig:
         segment cut into many pieces more programs and wider steps over its pieces.
     max_registers: per-thread register cap of the decode kernels (ptx .maxnreg), or None
         for the compiler's choice; a lower cap fits more resident CTAs per SM.
+    programmatic_launch: launch the balanced policy's merge kernel as a programmatic
+        dependent of the decode kernel (sm90+; ignored on older GPUs and the interpreter).
     """
 
     name: str
@@ -44,6 +46,7 @@ class DecodeConfig:
     merge_num_warps: int = 4
     merge_rows: int = 1
     max_registers: int | None = None
+    programmatic_launch: bool = False
 
 
 # Provenance: benchmarks/tune_decode.py on one H200 (2026-11-30), balanced policy,
@@ -70,8 +73,9 @@ _TABLES = {
     },
     "sm90": {
         "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1,
-                              max_registers=128),
-        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1),
+                              max_registers=128, programmatic_launch=True),
+        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1,
+                              programmatic_launch=True),
     },
 }
 

@@ -93,6 +93,9 @@ class DecodeAttention:
         self.debug = debug_enabled(debug)
         on_gpu = self.device.type == "cuda" and not is_interpreter()
         self.num_sms = num_sms(self.device.index) if on_gpu else INTERPRETER_SMS
+        # Programmatic dependent launch of the merge: the table asks for it, the GPU has it (sm90+).
+        self._use_pdl = self.config.programmatic_launch and on_gpu and \
+            torch.cuda.get_device_capability(self.device)[0] >= 9
         self._plan: DecodePlan | None = None
         self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         if num_ctas is None:
@@ -109,6 +112,8 @@ class DecodeAttention:
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self.max_batch_size
         if self._kind == "stream":
+            # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
+            self._merge_counters = torch.zeros(self.num_ctas, **i32)
             return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(b, **i32), torch.zeros(self.num_ctas, **i32),
                                   torch.zeros(3, **i32), self.num_ctas)
         if self._kind == "units":
@@ -142,9 +147,10 @@ class DecodeAttention:
             scalars = torch.zeros(3, **i32)
             launch.launch_plan_stream(seq_lens, seq_lens, cost_start, active, first_req, scalars, self.page_size, 1,
                                       hkv, self.config.block_n, self.config.segment_overhead)
-            compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
-                                                   page_table, cost_start, active, first_req, scalars, 1.0, 1,
-                                                   self.page_size, self.config)
+            compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch,
+                                                   torch.zeros(1, **i32), seq_lens, page_table, cost_start, active,
+                                                   first_req, scalars, 1.0, 1, self.page_size, self.config,
+                                                   self._use_pdl)
         else:
             zeros = torch.zeros(1, **i32)
             compiled = launch.launch_decode_units(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
@@ -233,12 +239,13 @@ class DecodeAttention:
         scale = self.sm_scale * LOG2E
         s = plan.schedule
         if self._kind == "stream":
-            launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
-                                        plan.page_table, s.req_cost_start, s.active_req, s.cta_first_req,
-                                        s.plan_scalars, scale,
-                                        s.num_ctas, self.page_size, self.config)
+            launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
+                                        plan.seq_lens, plan.page_table, s.req_cost_start, s.active_req,
+                                        s.cta_first_req, s.plan_scalars, scale, s.num_ctas, self.page_size,
+                                        self.config, self._use_pdl)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
-                                       s.active_req, s.cta_first_req, s.plan_scalars, s.num_ctas, hkv, self.config)
+                                       s.active_req, s.cta_first_req, s.plan_scalars, s.num_ctas, hkv, self.config,
+                                       self._use_pdl)
         elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,

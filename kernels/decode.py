@@ -11,13 +11,16 @@ Two kernels walk the segments, one per scheduling mode:
   planner lays every segment end to end on one cost line (each segment costs its
   tiles plus a fixed overhead) and gives CTA c the cost range
   ``[c * piece, min((c + 1) * piece, total))``. A segment cut by a range boundary
-  produces partial (O, LSE) pairs that ``merge_stream_kernel`` combines.
+  produces partial (O, LSE) pairs. The CTA that stores the last of a few pieces merges
+  them (``_merge_if_last``); ``merge_stream_kernel`` merges segments of more pieces, in
+  a grid launched early (programmatic dependent launch on sm90) that waits for the decode
+  kernel before it reads a partial.
 * ``decode_units_kernel`` (policies ``fa3`` and ``none``): work units are
   (request, split, KV head) triples. Persistent CTAs pull units from an atomic
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
-Both kernels share ``_attend_tiles`` (online softmax over a tile range) and
-``_store_rows``. Softmax is computed in base 2: the fp32 scores are
+Both kernels share ``_attend_tiles`` (online softmax over a tile range),
+``_store_rows`` and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
@@ -25,6 +28,7 @@ passes 2**31 for caches beyond 2**31 elements.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -82,10 +86,11 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
 
 
 @triton.jit
-def _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l,
-                G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[b, h*G + g, :] = acc / l; a row that saw no token (l == 0) is written as zeros."""
-    offs_g = tl.arange(0, G_PAD)
+def _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, l,
+                G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, h*G + g, :] = acc[g - row0] / l[g - row0] for g in [row0, row0 + ROWS), g < G;
+    a row that saw no token (l == 0) is written as zeros."""
+    offs_g = row0 + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     safe_l = tl.where(l > 0, l, 1.0)
     o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
@@ -108,13 +113,14 @@ def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l,
 
 @triton.jit
 def decode_stream_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
     seq_lens_ptr, page_table_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr, plan_scalars_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
+    FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
 
@@ -122,13 +128,18 @@ def decode_stream_kernel(
     seg_cost = n_tiles + SEGMENT_OVERHEAD; its tile t sits at cost
     seg_lo + SEGMENT_OVERHEAD + t. Requests are walked through ``active_req`` (the
     non-empty ones, in order). A segment this CTA covers whole is written to ``out``;
-    a cut one goes to partial slot 2*c + (c is the segment's first CTA), which
-    ``merge_stream_kernel`` finds again from the same arithmetic.
+    a cut one goes to partial slot 2*c + (c is the segment's first CTA); a segment of a
+    few pieces is merged by its last piece to arrive (``_merge_if_last``), one of
+    more pieces by ``merge_stream_kernel``.
 
     With many short requests a CTA walks many segments, so the next request's
     metadata is loaded one request ahead (its latency hides behind the current tiles).
     """
     cta = tl.program_id(0)
+    if USE_PDL:
+        # Let the merge grid launch now: its programs find their segments while this
+        # kernel runs and wait for it to finish before reading partials.
+        gdc_launch_dependents()
     piece = tl.load(plan_scalars_ptr)
     total = tl.load(plan_scalars_ptr + 1)
     num_active = tl.load(plan_scalars_ptr + 2)
@@ -139,7 +150,7 @@ def decode_stream_kernel(
     for r in range(cta, batch_size, tl.num_programs(0)):
         if tl.load(seq_lens_ptr + r) == 0:
             for hz in range(NUM_KV_HEADS):
-                _store_rows(out_ptr, stride_ob, stride_oh, r, hz, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_rows(out_ptr, stride_ob, stride_oh, r, hz, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
     k = tl.load(cta_first_req_ptr + cta)
@@ -147,6 +158,8 @@ def decode_stream_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     req_lo = tl.load(req_cost_start_ptr + b)
     next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+    cut_first = cta * 0 - 1
+    cut_last = cta * 0 - 1
     while pos < end:
         # Prefetch the next request's metadata (only used once this request is done).
         next_seq_len = tl.load(seq_lens_ptr + next_b)
@@ -164,11 +177,14 @@ def decode_stream_kernel(
                 page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
                 PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
             if (tile_begin == 0) & (tile_end == n_tiles):
-                _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
             else:
                 first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
-                slot = 2 * cta + (cta == first_cta).to(tl.int32)
-                _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (cta == first_cta).to(tl.int32), acc, m, l,
+                               G, G_PAD, HEAD_DIM, BLOCK_D)
+                # Only a range's first and last segments can be cut: remember them as b * Hkv + h.
+                cut_last = tl.where(cut_first >= 0, b * NUM_KV_HEADS + h, -1)
+                cut_first = tl.where(cut_first >= 0, cut_first, b * NUM_KV_HEADS + h)
         pos = seg_lo + seg_cost
         if h == NUM_KV_HEADS - 1:
             k = k + 1
@@ -176,20 +192,34 @@ def decode_stream_kernel(
             seq_len = next_seq_len
             req_lo = next_req_lo
             next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+    # The arrivals wait for the walk to end: a merge inside the loop would raise its
+    # register pressure past the 128-register cap (spills in the tile loop).
+    if cut_first >= 0:
+        # Every thread's partial stores happen before the (release) arrivals below.
+        tl.debug_barrier()
+        _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
+                       stride_ob, stride_oh, cut_first, piece, NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, BLOCK_N,
+                       SEGMENT_OVERHEAD, FUSED_MERGE_PIECES, MERGE_ROWS, MERGE_BLOCK_P)
+        if cut_last >= 0:
+            _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
+                           stride_ob, stride_oh, cut_last, piece, NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, BLOCK_N,
+                           SEGMENT_OVERHEAD, FUSED_MERGE_PIECES, MERGE_ROWS, MERGE_BLOCK_P)
 
 
 @triton.jit
-def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
-                 first, count, slot_a, slot_c, slot_first_extra,
-                 G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Merge query rows [row0, row0 + ROWS) of partials i = first .. first+count-1, stored
-    at slot a*i + c (+extra for i == first), into ``out``.
+def _merge_partials(o_part_ptr, lse_part_ptr, row0, first, count, slot_a, slot_c, slot_first_extra,
+                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Log-sum-exp merge of query rows [row0, row0 + ROWS) of partials i = first ..
+    first+count-1, stored at slot a*i + c (+extra for i == first).
 
-    A [BLOCK_P partials, ROWS, BLOCK_D] tile per step, so a segment cut into many pieces
-    costs a few dependent loads, not one per piece. The softmax weights are per (partial,
-    row) and broadcast over the head dim (one exp2 per row, not per element). Base-2 LSE;
-    the result depends only on the partials.
+    Returns (acc [ROWS, BLOCK_D] fp32, the weighted sum of the partial outputs; m [ROWS],
+    the base-2 max of their LSEs; weight [ROWS], the sum of the weights), so the result is
+    acc / weight with LSE m + log2(weight). A [BLOCK_P partials, ROWS, BLOCK_D] tile per
+    step, so a segment cut into many pieces costs a few dependent loads, not one per piece;
+    the softmax weights are per (partial, row), one exp2 each. The result depends only on
+    the partials (fixed order). Loads bypass L1 (``.cg``): partials written by other CTAs
+    of the same launch must come from L2.
     """
     offs_p = tl.arange(0, BLOCK_P)
     offs_r = row0 + tl.arange(0, ROWS)
@@ -204,9 +234,9 @@ def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, 
         slot = (slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)).to(tl.int64)
         mask_pr = (i < first + count)[:, None] & mask_r[None, :]
         row_index = slot[:, None] * G + offs_r[None, :]
-        lse = tl.load(lse_part_ptr + row_index, mask=mask_pr, other=float("-inf"))
+        lse = tl.load(lse_part_ptr + row_index, mask=mask_pr, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(o_part_ptr + row_index[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                    mask=mask_pr[:, :, None] & mask_d[None, None, :], other=0.0)
+                    mask=mask_pr[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 0))
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(lse - safe_m[None, :])
@@ -214,9 +244,39 @@ def _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, 
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         weight = weight * alpha + tl.sum(w, 0)
         m = m_new
-    res = acc / tl.where(weight > 0, weight, 1.0)[:, None]
-    ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * G + offs_r[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
-    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+    return acc, m, weight
+
+
+@triton.jit
+def _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
+                   stride_ob, stride_oh, segment, piece,
+                   NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
+                   MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr):
+    """Arrive at cut segment ``segment`` (= b * Hkv + h), whose piece this CTA has stored,
+    and merge its pieces into ``out`` if it has at most FUSED_MERGE_PIECES and this CTA is
+    the last to arrive. Its pieces run on CTAs first_cta .. last_cta; CTA c's is at slot
+    2c + (c == first_cta).
+
+    The arrival counter is ``merge_counters[first_cta]`` (a CTA is the first CTA of at most
+    one cut segment); the last arrival resets it to 0 for the next launch (or graph
+    replay). Arrival order decides only who merges: the merge order is fixed. Segments of
+    more pieces are left to ``merge_stream_kernel``: their last pieces arrive together at
+    the end of the kernel, where one CTA's serial merge steps each wait on memory that the
+    other CTAs keep loaded, and a grid of merge programs does them in parallel.
+    """
+    b = segment // NUM_KV_HEADS
+    h = segment % NUM_KV_HEADS
+    n_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
+    first_tile = tl.load(req_cost_start_ptr + b) + h * (n_tiles + SEGMENT_OVERHEAD) + SEGMENT_OVERHEAD
+    first_cta = first_tile // piece
+    pieces = (first_tile + n_tiles - 1) // piece - first_cta + 1
+    if pieces <= FUSED_MERGE_PIECES:
+        if tl.atomic_add(merge_counters_ptr + first_cta, 1, sem="acq_rel", scope="gpu") == pieces - 1:
+            tl.atomic_xchg(merge_counters_ptr + first_cta, 0)
+            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, 0, first_cta, pieces, 2, 0, 1,
+                                             G, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_P)
+            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, weight, G, MERGE_ROWS, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -225,11 +285,17 @@ def merge_stream_kernel(
     plan_scalars_ptr, stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
+    FUSED_MERGE_PIECES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (C, row chunks). Program j merges the segment that CTA boundary j*piece
-    cuts, if j is the first boundary inside that segment's tiles: one program per cut
-    segment, whatever the batch size (a segment-indexed grid would be mostly idle at
-    large B, and serial over pieces at small B)."""
+    """Grid (C, row chunks). Program j merges the segment that CTA boundary j*piece cuts,
+    if j is the first boundary inside that segment's tiles and the segment has more than
+    FUSED_MERGE_PIECES pieces (fewer are merged inside ``decode_stream_kernel``): one
+    program per such segment and row chunk, whatever the batch size.
+
+    USE_PDL (programmatic dependent launch, sm90): this grid is launched while the decode
+    kernel runs; each program finds its segment, then waits (``gdc_wait``) for the decode
+    kernel to finish before it reads any partial.
+    """
     j = tl.program_id(0)
     row0 = tl.program_id(1) * ROWS
     piece = tl.load(plan_scalars_ptr)
@@ -243,14 +309,18 @@ def merge_stream_kernel(
         req_lo = tl.load(req_cost_start_ptr + b)
         h = (x - req_lo) // seg_cost
         first_tile = req_lo + h * seg_cost + SEGMENT_OVERHEAD
+        first_cta = first_tile // piece
+        last_cta = (first_tile + n_tiles - 1) // piece
         # Boundary x cuts the tile run [first_tile, first_tile + n) iff first_tile < x < first_tile + n;
         # the previous boundary x - piece must not (so exactly one program merges it).
-        if (first_tile < x) & (x < first_tile + n_tiles) & (x - piece <= first_tile):
-            first_cta = first_tile // piece
-            last_cta = (first_tile + n_tiles - 1) // piece
+        if (first_tile < x) & (x < first_tile + n_tiles) & (x - piece <= first_tile) & \
+                (last_cta - first_cta + 1 > FUSED_MERGE_PIECES):
+            if USE_PDL:
+                gdc_wait()
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
-                         first_cta, last_cta - first_cta + 1, 2, 0, 1, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
+            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, first_cta, last_cta - first_cta + 1,
+                                             2, 0, 1, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
+            _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, weight, G, ROWS, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -303,7 +373,7 @@ def decode_units_kernel(
             page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
             PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if num_splits == 1:
-            _store_rows(out_ptr, stride_ob, stride_oh, b, h, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
         else:
             _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
         if PERSISTENT:
@@ -333,5 +403,6 @@ def merge_units_kernel(
     num_splits = tl.load(req_splits_ptr + b)
     if num_splits > 1:
         base = tl.load(req_split_base_ptr + b)
-        _merge_slots(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0,
-                     base, num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
+        acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, base, num_splits, NUM_KV_HEADS, h, 0,
+                                         G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
+        _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, weight, G, ROWS, HEAD_DIM, BLOCK_D)

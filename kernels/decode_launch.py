@@ -18,9 +18,17 @@ from .plan import plan_stream_kernel
 # whole plan at two load latencies up to B = 2048.
 PLAN_MAX_BLOCK_B = 2048
 PLAN_COMPARE_TILE = 32768
-# The merge kernel's tile: [BLOCK_P partials, config.merge_rows query rows, head dim] of
-# MERGE_TILE elements, 32 fp32 per thread at 4 warps.
+# A merge step's tile: [BLOCK_P partials, query rows, head dim] of MERGE_TILE elements,
+# 32 fp32 per thread at 4 warps.
 MERGE_TILE = 4096
+# The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself
+# (its last piece to arrive), in steps of STREAM_MERGE_TILE elements (16 fp32 per thread
+# at 4 warps; under the sm90 cap of 128 registers a 4096-element step makes the compiler
+# spill inside the tile loop), so 4 pieces of G = 8, D = 128 take two steps. On the H200
+# each such step waits ~1-2 us on memory loaded by the other CTAs (16 pieces took 10-14 us
+# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid.
+FUSED_MERGE_PIECES = 4
+STREAM_MERGE_TILE = 2048
 
 
 def group_rows(group_size: int) -> int:
@@ -40,6 +48,13 @@ def _merge_constants(group_size: int, head_dim: int, config) -> dict:
     rows = min(config.merge_rows, triton.next_power_of_2(group_size))
     return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows,
                 BLOCK_P=max(1, MERGE_TILE // (rows * block_d)))
+
+
+def _stream_merge_constants(group_size: int, head_dim: int) -> dict:
+    """The stream kernel's own merge: all of a segment's G rows per step, STREAM_MERGE_TILE elements."""
+    rows = triton.next_power_of_2(group_size)
+    return dict(FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=rows,
+                MERGE_BLOCK_P=max(1, STREAM_MERGE_TILE // (rows * triton.next_power_of_2(head_dim))))
 
 
 def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
@@ -62,29 +77,36 @@ def _cache_strides(q, k_cache, v_cache, out, page_table):
             out.stride(0), out.stride(1), page_table.stride(0))
 
 
-def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
                          req_cost_start, active_req, cta_first_req, plan_scalars, sm_scale_log2: float,
-                         num_ctas: int, page_size: int, config):
-    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``)."""
+                         num_ctas: int, page_size: int, config, use_pdl: bool):
+    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
+    o_part/lse_part hold 2 * num_ctas slots, merge_counters [num_ctas] int32 zeros).
+    use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start early (sm90)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
     return decode_stream_kernel[(num_ctas,)](
-        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table, req_cost_start, active_req,
+        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, req_cost_start, active_req,
         cta_first_req, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
-        q.shape[0], **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        q.shape[0], **_shape_constants(num_kv_heads, group, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.num_warps, maxnreg=config.max_registers)
+        SEGMENT_OVERHEAD=config.segment_overhead, **_stream_merge_constants(group, head_dim), USE_PDL=use_pdl,
+        num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
 def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
-                        num_ctas: int, num_kv_heads: int, config):
-    """Grid (C, row chunks): one program per CTA boundary (see merge_stream_kernel)."""
+                        num_ctas: int, num_kv_heads: int, config, use_pdl: bool):
+    """Grid (C, row chunks): one program per CTA boundary (see merge_stream_kernel). use_pdl:
+    launched as a programmatic dependent of the decode kernel (sm90 only)."""
     group = out.shape[1] // num_kv_heads
     consts = _merge_constants(group, out.shape[2], config)
     grid = (num_ctas, triton.cdiv(group, consts["ROWS"]))
+    pdl = dict(launch_pdl=True) if use_pdl else {}
     merge_stream_kernel[grid](
         o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
         out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
-        SEGMENT_OVERHEAD=config.segment_overhead, num_warps=config.merge_num_warps, **consts)
+        SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl,
+        num_warps=config.merge_num_warps, **pdl, **consts)
 
 
 def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,

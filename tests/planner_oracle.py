@@ -97,7 +97,8 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
 
 
 def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
-    """Slots merge_stream_kernel reads for each cut segment: {(b, h): [slots]}."""
+    """Partial slots of each cut segment, in merge order: {(b, h): [slots]}. Its pieces run
+    on CTAs first .. last; CTA c's piece is at slot 2c + (c == first)."""
     reads = {}
     piece = plan["piece"]
     for b, n_tok in enumerate(plan["seq_lens"]):
@@ -112,7 +113,13 @@ def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
     return reads
 
 
-def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead):
+def stream_fused_merges(reads, fused_pieces):
+    """Cut segments the decode kernel merges itself ({(b, h): arrival counter index}): those
+    of at most ``fused_pieces`` pieces; the counter is the first CTA's index."""
+    return {key: (slots[0] - 1) // 2 for key, slots in reads.items() if len(slots) <= fused_pieces}
+
+
+def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead, fused_pieces):
     """Segments merged by each program j of merge_stream_kernel (its selection rule): [(b, h)]."""
     piece, active, first_req = plan["piece"], plan["active_req"], plan["cta_first_req"]
     merged = []
@@ -124,6 +131,7 @@ def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead):
         n = int(cdiv(plan["seq_lens"][b], block_n))
         h = (x - int(plan["req_cost_start"][b])) // (n + overhead)
         first_tile = int(plan["req_cost_start"][b]) + h * (n + overhead) + overhead
-        if first_tile < x < first_tile + n and x - piece <= first_tile:
+        pieces = (first_tile + n - 1) // piece - first_tile // piece + 1
+        if first_tile < x < first_tile + n and x - piece <= first_tile and pieces > fused_pieces:
             merged.append((b, h))
     return merged

@@ -178,17 +178,41 @@ def test_lse_merge_of_key_splits_equals_full_attention():
 
 
 @pytest.mark.parametrize("merge_rows", [1, 2, 4])
-@pytest.mark.parametrize("policy", ["balanced", "fa3"])
-def test_merge_row_chunks(device, policy, merge_rows):
-    """The merge's row chunks: G = 7 (the last chunk of 2 or 4 rows is partly masked) and
-    head_dim 80 (BLOCK_D 128, masked columns), a long request cut into many pieces."""
+def test_merge_row_chunks(device, merge_rows):
+    """The units merge kernel's row chunks: G = 7 (the last chunk of 2 or 4 rows is partly
+    masked) and head_dim 80 (BLOCK_D 128, masked columns), a long request cut into many pieces."""
     import dataclasses
     dtype = lane_dtype(torch.float16)
-    attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 40, policy, num_ctas=6)
+    attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 40, "fa3", num_ctas=6)
     attn.config = dataclasses.replace(attn.config, merge_rows=merge_rows)
     q, k_cache, v_cache, seq_lens, page_table = make_paged_batch([600, 5, 33], 7, 1, 80, 16, dtype, device)
     attn.plan(seq_lens, page_table)
     assert_close_to_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
+
+
+@pytest.mark.parametrize("num_kv_heads,num_ctas,fused", [(1, 4, True), (2, 6, True), (1, 6, False), (1, 40, False)])
+def test_stream_merges(device, num_kv_heads, num_ctas, fused):
+    """Both merges of the balanced policy: a long request cut into at most
+    FUSED_MERGE_PIECES pieces is merged by its last piece inside the decode kernel (4 and
+    6 CTAs), into more (5 and 24 pieces) by merge_stream_kernel. G = 7 and head_dim 80 mask
+    rows and columns. A second run of the same plan must give the same bytes: the last
+    arrivals reset their counters, so the next launch (a graph replay) starts from zero."""
+    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
+    dtype = lane_dtype(torch.float16)
+    lens = [3000, 5, 33, 0, 70]
+    attn = evenkv.DecodeAttention(7 * num_kv_heads, num_kv_heads, 80, 16, dtype, device, len(lens), 200,
+                                  num_ctas=num_ctas)
+    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch(lens, 7 * num_kv_heads, num_kv_heads, 80, 16,
+                                                                 dtype, device)
+    plan = attn.plan(seq_lens, page_table)
+    # Head 0 of request 0 spans cost [0, n + 1): its tiles sit at 1 .. n.
+    piece, n = int(plan.schedule.plan_scalars[0]), -(-3000 // attn.config.block_n)
+    long_pieces = n // piece - 1 // piece + 1
+    assert (1 < long_pieces <= FUSED_MERGE_PIECES) == fused, (long_pieces, piece)
+    first = attn.run(q, k_cache, v_cache)
+    assert_close_to_reference(first, q, k_cache, v_cache, seq_lens, page_table, 16)
+    assert int(attn._merge_counters.abs().sum()) == 0
+    assert torch.equal(attn.run(q, k_cache, v_cache), first)
 
 
 # One SM of an H100/H200 (sm90) and of an A100 (sm80): 64K registers, shared memory per SM.
@@ -211,7 +235,7 @@ def test_arch_table_compiles_for_its_target(arch, cap):
     4 CTAs/SM (the compiler alone takes 153, 3 CTAs/SM), at the cost of a few spilled
     registers; sm80 fits 2 CTAs/SM in an A100's 164 KiB without spills."""
     from evenkv.arch import decode_config
-    from evenkv.kernels.decode_launch import _merge_constants, _shape_constants
+    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, _merge_constants, _shape_constants, _stream_merge_constants
     cfg = decode_config(arch, 128)
     shape = _shape_constants(4, 8, 128)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -220,16 +244,17 @@ def test_arch_table_compiles_for_its_target(arch, cap):
     common = dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr"], fp32_ptrs=["o_part_ptr", "lse_part_ptr"],
                   fp32=["sm_scale_log2"], unaligned=["stride_pt", "batch_size"])
     stream_consts = dict(shape, PAGE_SIZE=16, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                         SEGMENT_OVERHEAD=cfg.segment_overhead)
+                         SEGMENT_OVERHEAD=cfg.segment_overhead, **_stream_merge_constants(8, 128),
+                         USE_PDL=cfg.programmatic_launch)
     (stream,) = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
                                  variants=[dict(cap=cap, consts=stream_consts, options=options)]))
     assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
     assert stream["stack"] <= (32 if cfg.max_registers else 0), f"register spills: {stream}"
     merge = _merge_constants(8, 128, cfg)
     merge_options = dict(num_warps=cfg.merge_num_warps)
-    for name, consts in [("merge_stream_kernel", dict(merge, NUM_KV_HEADS=4, BLOCK_N=cfg.block_n,
-                                                          SEGMENT_OVERHEAD=cfg.segment_overhead)),
-                         ("merge_units_kernel", dict(merge, NUM_KV_HEADS=4))]:
+    stream_merge = dict(merge, NUM_KV_HEADS=4, BLOCK_N=cfg.block_n, SEGMENT_OVERHEAD=cfg.segment_overhead,
+                        FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=cfg.programmatic_launch)
+    for name, consts in [("merge_stream_kernel", stream_merge), ("merge_units_kernel", dict(merge, NUM_KV_HEADS=4))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"

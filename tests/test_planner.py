@@ -7,7 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from planner_oracle import chunked_plan, fa3_plan, simulate_stream, stream_merge_programs, stream_merge_reads, stream_plan
+from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
+from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_programs,
+                            stream_merge_reads, stream_plan)
 
 BLOCK_N = evenkv.decode_config("sm90", 128).block_n
 
@@ -53,18 +55,26 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         assert tiles <= piece
         if (c + 1) * piece <= want["total"]:
             assert tiles >= piece - ovh * (len(mine) + 1)
-    # The merge reads exactly the partial slots that were written, and nothing else.
+    # The merges read exactly the partial slots that were written, and nothing else.
     written = {}
     for kind, b, h, slot in writes:
         if kind == "partial":
             written.setdefault((b, h), []).append(slot)
     reads = stream_merge_reads(want, num_kv_heads, cfg.block_n, cfg.segment_overhead)
     assert {k: sorted(v) for k, v in written.items()} == {k: sorted(v) for k, v in reads.items()}
-    # merge_stream_kernel's boundary-indexed programs pick every cut segment exactly once.
-    programs = stream_merge_programs(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
-    assert sorted(programs) == sorted(reads)
     slots = [s for v in written.values() for s in v]
     assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
+    # Every cut segment is merged exactly once: by the decode kernel (at most
+    # FUSED_MERGE_PIECES pieces, one arrival counter each, inside [0, C)) or by one
+    # boundary-indexed program of merge_stream_kernel (the rest).
+    for fused_pieces in (FUSED_MERGE_PIECES, 2, 0):
+        fused = stream_fused_merges(reads, fused_pieces)
+        counters = list(fused.values())
+        assert len(counters) == len(set(counters)) and all(0 <= c < num_ctas for c in counters)
+        programs = stream_merge_programs(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead,
+                                         fused_pieces)
+        assert len(programs) == len(set(programs)) and not set(programs) & set(fused)
+        assert set(programs) | set(fused) == set(reads)
     # Segments written whole + segments merged = every non-empty segment, each once.
     outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
     assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
