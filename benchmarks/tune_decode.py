@@ -73,13 +73,16 @@ def copy_bandwidth(nbytes=2**30):
 
 
 def parse_config(name):
-    """'bn64-w4-s5-c3-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, 128 registers)."""
-    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?", name)
+    """'bn64-w4-s5-c3-o2-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, segment
+    overhead 2 tiles (default 1), 128 registers (default: the compiler's)); merge launched as a
+    programmatic dependent where the GPU has it."""
+    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-o(\d+))?(?:-r(\d+))?", name)
     if match is None:
-        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>], got {name!r}")
-    bn, warps, stages, ctas, regs = match.groups()
-    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=1,
-                        max_registers=int(regs) if regs else None)
+        raise ValueError("--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-o<segment overhead>]"
+                         f"[-r<max regs>], got {name!r}")
+    bn, warps, stages, ctas, overhead, regs = match.groups()
+    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=int(overhead or 1),
+                        max_registers=int(regs) if regs else None, programmatic_launch=True)
 
 
 def time_us(fn, flush, reps=30):
@@ -105,7 +108,8 @@ def main():
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
     ap.add_argument("--configs", default="grid",
-                    help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
+                    help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>"
+                         "[-o<segment overhead>][-r<max regs>]")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -118,7 +122,7 @@ def main():
     if args.configs == "tables":
         configs = [evenkv.decode_config(a, D) for a in ("sm80", "sm90")]
     elif args.configs == "grid":
-        configs = [DecodeConfig(f"bn{bn}-w{w}-s{s}-c{c}-o{o}", bn, w, s, c, o)
+        configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}-o{o}")
                    for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (1,))]
     else:
         configs = [parse_config(name) for name in args.configs.split(",")]
