@@ -115,7 +115,7 @@ class DecodeAttention:
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
             self._merge_counters = torch.zeros(self.num_ctas, **i32)
             return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(b, **i32), torch.zeros(self.num_ctas, **i32),
-                                  torch.zeros(3, **i32), self.num_ctas)
+                                  torch.zeros(4, **i32), self.num_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
@@ -144,7 +144,7 @@ class DecodeAttention:
         scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
         if self._kind == "stream":
             cost_start, active, first_req = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
-            scalars = torch.zeros(3, **i32)
+            scalars = torch.zeros(4, **i32)
             launch.launch_plan_stream(seq_lens, seq_lens, cost_start, active, first_req, scalars, self.page_size, 1,
                                       hkv, self.config.block_n, self.config.segment_overhead)
             compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch,

@@ -46,7 +46,8 @@ DETERMINISTIC_MAX_SPLITS = 16
 class StreamSchedule:
     """``balanced`` plan. req_cost_start [B + 1] int32 (exclusive prefix of request costs);
     active_req [B] int32 (non-empty requests in order); cta_first_req [C] int32 (index into
-    active_req where CTA c starts); plan_scalars [3] int32 (piece, total, active count)."""
+    active_req where CTA c starts); plan_scalars [4] int32 (piece, total, active count, tiles
+    of the longest request)."""
 
     req_cost_start: torch.Tensor
     active_req: torch.Tensor

@@ -300,9 +300,12 @@ def merge_stream_kernel(
     row0 = tl.program_id(1) * ROWS
     piece = tl.load(plan_scalars_ptr)
     num_active = tl.load(plan_scalars_ptr + 2)
+    # A run of n tiles spans at most cdiv(n - 1, piece) + 1 CTAs: if even the longest
+    # request's segments are merged inside the decode kernel, no program has work.
+    most_pieces = tl.cdiv(tl.load(plan_scalars_ptr + 3) - 1, piece) + 1
     x = j * piece
     k = tl.load(cta_first_req_ptr + j)
-    if (j > 0) & (k < num_active):
+    if (j > 0) & (k < num_active) & (most_pieces > FUSED_MERGE_PIECES):
         b = tl.load(active_req_ptr + k)
         n_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
         seg_cost = n_tiles + SEGMENT_OVERHEAD

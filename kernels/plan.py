@@ -10,8 +10,8 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
   walks this list, so it never steps over empty requests one by one);
 * ``cta_first_req [C] int32``  for CTA c, the index into ``active_req`` of the first
   request whose cost range ends after ``c * piece``: where CTA c starts walking;
-* ``plan_scalars [3] int32``  (piece, total, number of active requests) with
-  ``piece = max(ceil(total / C), 1)``.
+* ``plan_scalars [4] int32``  (piece, total, number of active requests, tiles of the
+  longest request) with ``piece = max(ceil(total / C), 1)``.
 
 Worked example (Hkv = 1, BLOCK_N = 16, SEGMENT_OVERHEAD = 1, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [8, 0, 3], total 11, piece 3,
@@ -48,10 +48,12 @@ def plan_stream_kernel(
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
+    max_len = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        _, cost, _ = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity,
-                                   NUM_KV_HEADS, BLOCK_N, SEGMENT_OVERHEAD)
+        seq_len, cost, _ = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity,
+                                         NUM_KV_HEADS, BLOCK_N, SEGMENT_OVERHEAD)
         total += tl.sum(cost, 0)
+        max_len = tl.maximum(max_len, tl.max(seq_len, 0))
     piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
 
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -80,3 +82,4 @@ def plan_stream_kernel(
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
+        tl.store(plan_scalars_ptr + 3, tl.cdiv(max_len, BLOCK_N))

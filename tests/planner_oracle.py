@@ -15,7 +15,7 @@ def cdiv(a, b):
 
 
 def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
-    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_first_req [C], piece, total)."""
+    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_first_req [C], piece, total, max_tiles)."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     tiles = cdiv(lens, block_n)
     cost = np.where(tiles > 0, (tiles + overhead) * num_kv_heads, 0)
@@ -26,7 +26,7 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
     active = np.flatnonzero(cost > 0)
     first = np.array([int(np.sum(end[active] <= s)) for s in starts], dtype=np.int64)
     return dict(seq_lens=lens, req_cost_start=np.concatenate([end - cost, [total]]), active_req=active,
-                cta_first_req=first, piece=piece, total=total)
+                cta_first_req=first, piece=piece, total=total, max_tiles=int(tiles.max()) if len(tiles) else 0)
 
 
 def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
@@ -123,6 +123,8 @@ def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead, fused
     """Segments merged by each program j of merge_stream_kernel (its selection rule): [(b, h)]."""
     piece, active, first_req = plan["piece"], plan["active_req"], plan["cta_first_req"]
     merged = []
+    if (plan["max_tiles"] - 1 + piece - 1) // piece + 1 <= fused_pieces:  # the kernel's early exit
+        return merged
     for j in range(1, num_ctas):
         x, k = j * piece, int(first_req[j])
         if k >= len(active):

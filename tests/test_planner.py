@@ -31,7 +31,7 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
     np.testing.assert_array_equal(s.req_cost_start[:len(lens) + 1].cpu().numpy(), want["req_cost_start"])
     np.testing.assert_array_equal(s.active_req[:len(want["active_req"])].cpu().numpy(), want["active_req"])
     np.testing.assert_array_equal(s.cta_first_req.cpu().numpy(), want["cta_first_req"])
-    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"])]
+    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"]]
     return want, cfg
 
 
