@@ -12,12 +12,16 @@ import argparse
 import csv
 import itertools
 import re
+import statistics
 import sys
 
 import torch
 
-import evenkv
-from evenkv.arch import DecodeConfig
+# First: it makes the checkout's evenkv importable when it is not installed.
+from decode_imbalance import GpuTimer, copy_bandwidth
+
+import evenkv  # noqa: E402
+from evenkv.arch import DecodeConfig  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 
@@ -58,20 +62,6 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
-def copy_bandwidth(nbytes=2**30):
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3)
-
-
 def parse_config(name):
     """'bn64-w4-s5-c3-o2-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, segment
     overhead 2 tiles (default 1), 128 registers (default: the compiler's)); merge launched as a
@@ -83,20 +73,6 @@ def parse_config(name):
     bn, warps, stages, ctas, overhead, regs = match.groups()
     return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=int(overhead or 1),
                         max_registers=int(regs) if regs else None, programmatic_launch=True)
-
-
-def time_us(fn, flush, reps=30):
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -112,13 +88,14 @@ def main():
                          "[-o<segment overhead>][-r<max regs>]")
     args = ap.parse_args()
     torch.manual_seed(0)
-    copy_bw = copy_bandwidth()
+    device = torch.device("cuda")
+    copy_bw = copy_bandwidth(device) * 1e12
     print(f"copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s", file=sys.stderr)
+    timer = GpuTimer(device, 256)
     total, page = args.tokens, args.page
     pages_needed = total // page + 4096
     k = torch.randn(pages_needed * page, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     if args.configs == "tables":
         configs = [evenkv.decode_config(a, D) for a in ("sm80", "sm90")]
     elif args.configs == "grid":
@@ -137,7 +114,7 @@ def main():
                                                   config=cfg)
                     attn.plan(seq_lens, pt)
                     out = attn.run(q, k, v)
-                    us = time_us(lambda: attn.run(q, k, v, out=out), flush)
+                    us = statistics.median(timer.events(lambda: attn.run(q, k, v, out=out), 30, 100.0))
                 except Exception as exc:  # a config that fails to compile (shared memory) is reported
                     print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                     continue
