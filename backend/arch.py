@@ -66,6 +66,12 @@ class DecodeConfig:
 # faster at B <= 512 and up to 2x slower at B = 2048 (tune_decode.py --configs, run 4:
 # benchmarks/results/2026-11-30-h200-run4/tune/decode-stages-p*.csv): resident CTAs, not
 # per-CTA depth, hide the latency here.
+# Run 5 (benchmarks/results/2026-11-30-h200-run5/tune/): segment overhead 0 wins only on
+# uniform batches whose segments fit one CTA exactly and loses on skewed ones (B = 2048
+# Skewed80 215 vs 179 us, B = 512 Skewed80 171 vs 156);
+# 2 loses at B >= 1024. 2-warp CTAs at 8 per SM with block_n 32 take B = 2048 Skewed40 from
+# 185 to 170 us but are 6-19 us slower at every B <= 1536. programmatic_launch: the merge
+# kernel as a programmatic dependent of the decode kernel, 2-4 us off every point.
 _TABLES = {
     "sm80": {
         "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
