@@ -12,12 +12,15 @@ pointer args], "fp32": [fp32 scalar args], "unaligned": [int args not divisible 
 ``*_ptr`` argument is an int32 pointer, every other upper-case one a constexpr, the rest
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
-bytes of one CTA, and whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS).
+bytes of one CTA, whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS), and
+``mma_loop_spills``: local-memory loads and stores (LDL / STL) inside a loop whose body
+has an MMA, i.e. spills that cost on every tile (a spill outside the tile loop costs once).
 """
 
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,26 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def mma_loop_spills(sass: str) -> int:
+    """LDL/STL instructions inside an innermost loop whose body has an HMMA or HGMMA (the
+    tile loop, not an outer loop around it). A loop is the address range [target, branch]
+    of a backward branch (``BRA`` to a lower address)."""
+    code = [(int(addr, 16), text) for addr, text in SASS_LINE.findall(sass)]
+    loops = []
+    for addr, text in code:
+        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if jump and int(jump.group(1), 16) < addr:
+            loops.append((int(jump.group(1), 16), addr))
+    mma_loops = [(lo, hi) for lo, hi in loops
+                 if any(lo <= a <= hi and re.search(r"\bH(G)?MMA\b", t) for a, t in code)]
+    innermost = [(lo, hi) for lo, hi in mma_loops
+                 if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma_loops)]
+    return sum(1 for a, t in code if re.search(r"\b(LDL|STL)\b", t) and any(lo <= a <= hi for lo, hi in innermost))
 
 
 def main():
@@ -53,7 +76,7 @@ def main():
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         field = lambda key: int(usage.split(key + ":")[1].split()[0])  # noqa: E731
         result.append(dict(regs=field("REG"), stack=field("STACK"), shared=compiled.metadata.shared,
-                           wgmma="HGMMA" in sass, cp_async="LDGSTS" in sass))
+                           wgmma="HGMMA" in sass, cp_async="LDGSTS" in sass, mma_loop_spills=mma_loop_spills(sass)))
     print(json.dumps(result))
 
 
