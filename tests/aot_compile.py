@@ -13,8 +13,9 @@ pointer args], "fp32": [fp32 scalar args], "unaligned": [int args not divisible 
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
 bytes of one CTA, whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS), and
-``mma_loop_spills``: local-memory loads and stores (LDL / STL) inside a loop whose body
-has an MMA, i.e. spills that cost on every tile (a spill outside the tile loop costs once).
+``mma_loop_spills``: local-memory loads and stores (LDL / STL) inside an innermost loop
+whose body has an MMA, i.e. spills that cost on every tile (a spill outside the tile loop
+costs once per segment or once per CTA).
 """
 
 import importlib
