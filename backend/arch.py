@@ -26,8 +26,8 @@ class DecodeConfig:
     block_n: KV tokens per tile (the unit of work and of the balanced partition).
     num_warps / num_stages: of the decode kernels (stages = loads in flight per CTA).
     max_ctas_per_sm: cap on resident persistent CTAs per SM.
-    segment_overhead: fixed cost of starting a (request, KV head) segment, in tiles,
-        charged by the balanced partition (Q load, softmax state, epilogue store).
+    segment_overhead: fixed cost of a (request, KV head) segment, in tiles, charged by the
+        balanced partition; the stream kernel spends one masked iteration per unit of it.
     merge_num_warps: of the LSE merge kernel.
     merge_rows: query rows (of a segment's G) per merge program; fewer rows give a
         segment cut into many pieces more programs and wider steps over its pieces.
@@ -72,15 +72,20 @@ class DecodeConfig:
 # 2 loses at B >= 1024. 2-warp CTAs at 8 per SM with block_n 32 take B = 2048 Skewed40 from
 # 185 to 170 us but are 6-19 us slower at every B <= 1536. programmatic_launch: the merge
 # kernel as a programmatic dependent of the decode kernel, 2-4 us off every point.
+# Run 6 (benchmarks/results/2026-11-30-h200-run6/): the stream kernel walks its range in one
+# loop across segments, so an overhead unit is a whole masked iteration: overhead 1 then
+# cost up to 37 us (B = 2048 Skewed40 216 vs 174 us with 0); with 0 the one loop took
+# B = 2048 Skewed40 from 184 to 174 us and B = 128 Uniform from 151 to 140 (the segment
+# boundaries no longer drain the pipeline). The sm80 rows follow (unmeasured on an A100).
 _TABLES = {
     "sm80": {
-        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
-        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=1),
+        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
+        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
     },
     "sm90": {
-        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1,
+        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
                               max_registers=128, programmatic_launch=True),
-        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=1,
+        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
                               programmatic_launch=True),
     },
 }

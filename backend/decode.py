@@ -114,8 +114,8 @@ class DecodeAttention:
         if self._kind == "stream":
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
             self._merge_counters = torch.zeros(self.num_ctas, **i32)
-            return StreamSchedule(torch.zeros(b + 1, **i32), torch.zeros(b, **i32), torch.zeros(self.num_ctas, **i32),
-                                  torch.zeros(4, **i32), self.num_ctas)
+            return StreamSchedule(torch.zeros(b, **i32), torch.zeros(self.num_ctas, 4, **i32), torch.zeros(4, **i32),
+                                  self.num_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
@@ -143,13 +143,13 @@ class DecodeAttention:
         i32 = dict(dtype=torch.int32, device=dev)
         scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
         if self._kind == "stream":
-            cost_start, active, first_req = torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32)
+            active, cta_start = torch.zeros(1, **i32), torch.zeros(1, 4, **i32)
             scalars = torch.zeros(4, **i32)
-            launch.launch_plan_stream(seq_lens, seq_lens, cost_start, active, first_req, scalars, self.page_size, 1,
+            launch.launch_plan_stream(seq_lens, seq_lens, active, cta_start, scalars, self.page_size, 1, 1,
                                       hkv, self.config.block_n, self.config.segment_overhead)
             compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch,
-                                                   torch.zeros(1, **i32), seq_lens, page_table, cost_start, active,
-                                                   first_req, scalars, 1.0, 1, self.page_size, self.config,
+                                                   torch.zeros(1, **i32), seq_lens, page_table, active,
+                                                   cta_start, scalars, 1.0, 1, self.page_size, self.config,
                                                    self._use_pdl)
         else:
             zeros = torch.zeros(1, **i32)
@@ -184,10 +184,10 @@ class DecodeAttention:
         plan_seq_lens = self._plan_seq_lens[:batch]
         if batch > 0 and self._kind == "stream":
             s = self._schedule
-            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.req_cost_start, s.active_req, s.cta_first_req,
+            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.active_req, s.cta_start,
                                       s.plan_scalars,
-                                      capacity, s.num_ctas, self.num_kv_heads, self.config.block_n,
-                                      self.config.segment_overhead)
+                                      capacity, s.num_ctas, self.num_sms, self.num_kv_heads,
+                                      self.config.block_n, self.config.segment_overhead)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             if self.policy == "fa3":
@@ -240,12 +240,11 @@ class DecodeAttention:
         s = plan.schedule
         if self._kind == "stream":
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
-                                        plan.seq_lens, plan.page_table, s.req_cost_start, s.active_req,
-                                        s.cta_first_req, s.plan_scalars, scale, s.num_ctas, self.page_size,
+                                        plan.seq_lens, plan.page_table, s.active_req,
+                                        s.cta_start, s.plan_scalars, scale, s.num_ctas, self.page_size,
                                         self.config, self._use_pdl)
-            launch.launch_merge_stream(self._o_part, self._lse_part, out, plan.seq_lens, s.req_cost_start,
-                                       s.active_req, s.cta_first_req, s.plan_scalars, s.num_ctas, hkv, self.config,
-                                       self._use_pdl)
+            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, s.num_ctas,
+                                       hkv, self.config, self._use_pdl)
         elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,

@@ -44,14 +44,12 @@ DETERMINISTIC_MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class StreamSchedule:
-    """``balanced`` plan. req_cost_start [B + 1] int32 (exclusive prefix of request costs);
-    active_req [B] int32 (non-empty requests in order); cta_first_req [C] int32 (index into
-    active_req where CTA c starts); plan_scalars [4] int32 (piece, total, active count, tiles
-    of the longest request)."""
+    """``balanced`` plan. active_req [B] int32 (non-empty requests in order); cta_start [C, 4] int32 (the request
+    CTA c starts in: its index into active_req, batch index, length, cost start);
+    plan_scalars [4] int32 (piece, total, active count, tiles of the longest request)."""
 
-    req_cost_start: torch.Tensor
     active_req: torch.Tensor
-    cta_first_req: torch.Tensor
+    cta_start: torch.Tensor
     plan_scalars: torch.Tensor
     num_ctas: int
 

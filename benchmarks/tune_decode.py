@@ -64,14 +64,14 @@ def write_csv(path, rows):
 
 def parse_config(name):
     """'bn64-w4-s5-c3-o2-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, segment
-    overhead 2 tiles (default 1), 128 registers (default: the compiler's)); merge launched as a
+    overhead 2 tiles (default 0, as the tables), 128 registers (default: the compiler's)); merge launched as a
     programmatic dependent where the GPU has it."""
     match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-o(\d+))?(?:-r(\d+))?", name)
     if match is None:
         raise ValueError("--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-o<segment overhead>]"
                          f"[-r<max regs>], got {name!r}")
     bn, warps, stages, ctas, overhead, regs = match.groups()
-    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=int(overhead or 1),
+    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=int(overhead or 0),
                         max_registers=int(regs) if regs else None, programmatic_launch=True)
 
 

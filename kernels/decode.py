@@ -9,18 +9,19 @@ Two kernels walk the segments, one per scheduling mode:
 
 * ``decode_stream_kernel`` (policy ``balanced``): a persistent grid of C CTAs. The
   planner lays every segment end to end on one cost line (each segment costs its
-  tiles plus a fixed overhead) and gives CTA c the cost range
-  ``[c * piece, min((c + 1) * piece, total))``. A segment cut by a range boundary
+  tiles plus a fixed overhead, 0 in the tables) and gives CTA c the cost range
+  ``[c * piece, min((c + 1) * piece, total))``, which it walks in one loop across
+  segments. A segment cut by a range boundary
   produces partial (O, LSE) pairs. The CTA that stores the last of a few pieces merges
-  them (``_merge_if_last``); ``merge_stream_kernel`` merges segments of more pieces, in
+  them (``_arrive_and_merge``); ``merge_stream_kernel`` merges segments of more pieces, in
   a grid launched early (programmatic dependent launch on sm90) that waits for the decode
   kernel before it reads a partial.
 * ``decode_units_kernel`` (policies ``fa3`` and ``none``): work units are
   (request, split, KV head) triples. Persistent CTAs pull units from an atomic
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
-Both kernels share ``_attend_tiles`` (online softmax over a tile range),
-``_store_rows`` and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
+``decode_units_kernel`` runs ``_attend_tiles`` (online softmax over a tile range) per
+unit; both share ``_store_rows``, ``_store_partial`` and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
@@ -112,98 +113,174 @@ def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l,
 
 
 @triton.jit
+def _segment_span(first_tile, n_tiles, piece):
+    """The CTAs that walk a segment whose n_tiles tiles start at cost ``first_tile``:
+    (first CTA, number of CTAs). CTA c walks cost range [c * piece, (c + 1) * piece)."""
+    first_cta = first_tile // piece
+    return first_cta, (first_tile + n_tiles - 1) // piece - first_cta + 1
+
+
+@triton.jit
+def _fused_cut(b, h, seg_lo, n_tiles, piece, SEGMENT_OVERHEAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+               FUSED_MERGE_PIECES: tl.constexpr):
+    """A cut segment (b, h) starting at cost seg_lo, as the decode kernel's own merge sees
+    it: (b * Hkv + h, or -1 if it has more than FUSED_MERGE_PIECES pieces; its first CTA;
+    its pieces)."""
+    span_cta, span_pieces = _segment_span(seg_lo + SEGMENT_OVERHEAD, n_tiles, piece)
+    return tl.where(span_pieces <= FUSED_MERGE_PIECES, b * NUM_KV_HEADS + h, -1), span_cta, span_pieces
+
+
+@triton.jit
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
-    seq_lens_ptr, page_table_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr, plan_scalars_ptr,
+    seq_lens_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
-    FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr,
+    EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
 
-    Segment (b, h) spans cost [req_cost_start[b] + h*seg_cost, ... + seg_cost) with
-    seg_cost = n_tiles + SEGMENT_OVERHEAD; its tile t sits at cost
-    seg_lo + SEGMENT_OVERHEAD + t. Requests are walked through ``active_req`` (the
-    non-empty ones, in order). A segment this CTA covers whole is written to ``out``;
-    a cut one goes to partial slot 2*c + (c is the segment's first CTA); a segment of a
-    few pieces is merged by its last piece to arrive (``_merge_if_last``), one of
-    more pieces by ``merge_stream_kernel``.
+    Segment (b, h) spans cost [seg_lo, seg_lo + n_tiles + SEGMENT_OVERHEAD), segments in
+    (request, head) order with empty requests skipped (``active_req``); its tile t sits
+    at cost seg_lo + SEGMENT_OVERHEAD + t. The CTA starts in the request the plan wrote to
+    ``cta_start[c]`` and takes one cost unit per iteration of a single loop, across
+    segments, so the software pipeline keeps the next segment's page-table and K/V loads
+    in flight while one segment ends (a loop per segment drained it at every segment: with
+    many short requests that latency, not bandwidth, set the time). An overhead unit loads
+    nothing. Each iteration reloads the segment's q rows (L1/L2 hits), which keeps every
+    load of the loop a pipelined load.
 
-    With many short requests a CTA walks many segments, so the next request's
-    metadata is loaded one request ahead (its latency hides behind the current tiles).
+    A segment this CTA covers whole is written to ``out``; a cut one goes to partial slot
+    2*c + (c is the segment's first CTA). Only the range's first and last segments can be
+    cut; one of few pieces is merged by its last piece to arrive (``_arrive_and_merge``),
+    one of more pieces by ``merge_stream_kernel``.
     """
     cta = tl.program_id(0)
     if USE_PDL:
         # Let the merge grid launch now: its programs find their segments while this
         # kernel runs and wait for it to finish before reading partials.
         gdc_launch_dependents()
+    num_ctas = tl.num_programs(0)
     piece = tl.load(plan_scalars_ptr)
     total = tl.load(plan_scalars_ptr + 1)
     num_active = tl.load(plan_scalars_ptr + 2)
+    k = tl.load(cta_start_ptr + 4 * cta)
+    b = tl.load(cta_start_ptr + 4 * cta + 1)
+    seq_len = tl.load(cta_start_ptr + 4 * cta + 2)
+    req_lo = tl.load(cta_start_ptr + 4 * cta + 3)
+    next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+    next_seq_len = tl.load(seq_lens_ptr + next_b)
     # Empty requests (seq_len 0: padded graph rows) are on no CTA's cost range; CTA c
-    # writes zeros for requests c, c + C, ... among them.
-    zero_acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    zero_l = tl.zeros([G_PAD], tl.float32)
-    for r in range(cta, batch_size, tl.num_programs(0)):
-        if tl.load(seq_lens_ptr + r) == 0:
-            for hz in range(NUM_KV_HEADS):
-                _store_rows(out_ptr, stride_ob, stride_oh, r, hz, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
+    # writes zeros for requests c, c + C, ... among them. Their lengths are loaded now
+    # and looked at after the walk, so the load is off the path to the first tile.
+    scan_rows = cta + num_ctas * tl.arange(0, EMPTY_SCAN)
+    scan_lens = tl.load(seq_lens_ptr + scan_rows, mask=scan_rows < batch_size, other=1)
+
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
-    k = tl.load(cta_first_req_ptr + cta)
-    b = tl.load(active_req_ptr + k, mask=k < num_active, other=0)
-    seq_len = tl.load(seq_lens_ptr + b)
-    req_lo = tl.load(req_cost_start_ptr + b)
-    next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
-    cut_first = cta * 0 - 1
-    cut_last = cta * 0 - 1
-    while pos < end:
-        # Prefetch the next request's metadata (only used once this request is done).
-        next_seq_len = tl.load(seq_lens_ptr + next_b)
-        next_req_lo = tl.load(req_cost_start_ptr + next_b)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
-        seg_cost = n_tiles + SEGMENT_OVERHEAD
-        h = (pos - req_lo) // seg_cost
-        seg_lo = req_lo + h * seg_cost
-        tile_begin = tl.maximum(pos - seg_lo - SEGMENT_OVERHEAD, 0)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    seg_cost = n_tiles + SEGMENT_OVERHEAD
+    h = tl.maximum(pos - req_lo, 0) // tl.maximum(seg_cost, 1)
+    seg_lo = req_lo + h * seg_cost
+    # The first segment is cut at its start if it has tiles before this range.
+    first_seg, first_seg_cta, first_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, SEGMENT_OVERHEAD,
+                                                            NUM_KV_HEADS, FUSED_MERGE_PIECES)
+    first_seg = tl.where((pos < end) & (pos - seg_lo - SEGMENT_OVERHEAD > 0), first_seg, -1)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, G_PAD)
+    mask_d = offs_d < HEAD_DIM
+    q_mask = (offs_g[:, None] < G) & mask_d[None, :]
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for c in tl.range(pos, end, num_stages=NUM_STAGES):
+        if c >= seg_lo + seg_cost:
+            # The next segment: the next KV head of this request, or the next request.
+            seg_lo = seg_lo + seg_cost
+            if h == NUM_KV_HEADS - 1:
+                h = 0
+                k = k + 1
+                b = next_b
+                seq_len = next_seq_len
+                n_tiles = tl.cdiv(seq_len, BLOCK_N)
+                seg_cost = n_tiles + SEGMENT_OVERHEAD
+                next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+                next_seq_len = tl.load(seq_lens_ptr + next_b)
+            else:
+                h = h + 1
+        tile = c - seg_lo - SEGMENT_OVERHEAD
+        tok = tile * BLOCK_N + offs_n
+        mask_n = (tile >= 0) & (tok < seq_len)
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh
+                    + offs_d[None, :], mask=q_mask, other=0.0)
+        page = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt + tok // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_tile = tl.load(k_ptr + h.to(tl.int64) * stride_k_head + slot[:, None] * stride_k_slot + offs_d[None, :],
+                         mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k_tile)) * sm_scale_log2
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = m_new
+        if SEGMENT_OVERHEAD > 0:
+            # An overhead unit (no token) leaves m at -inf: subtract 0 there, not -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v_tile = tl.load(v_ptr + h.to(tl.int64) * stride_v_head + slot[:, None] * stride_v_slot + offs_d[None, :],
+                         mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+        m = m_new
+        # The segment's last tile in this range: store it whole, or as a cut piece.
         tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
-        if tile_end > tile_begin:
-            q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
-            acc, m, l = _attend_tiles(
-                q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
-                PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
-            if (tile_begin == 0) & (tile_end == n_tiles):
+        if (tile >= 0) & (tile == tile_end - 1):
+            if (pos <= seg_lo + SEGMENT_OVERHEAD) & (tile_end == n_tiles):
                 _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
             else:
-                first_cta = (seg_lo + SEGMENT_OVERHEAD) // piece
-                _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (cta == first_cta).to(tl.int32), acc, m, l,
-                               G, G_PAD, HEAD_DIM, BLOCK_D)
-                # Only a range's first and last segments can be cut: remember them as b * Hkv + h.
-                cut_last = tl.where(cut_first >= 0, b * NUM_KV_HEADS + h, -1)
-                cut_first = tl.where(cut_first >= 0, cut_first, b * NUM_KV_HEADS + h)
-        pos = seg_lo + seg_cost
-        if h == NUM_KV_HEADS - 1:
-            k = k + 1
-            b = next_b
-            seq_len = next_seq_len
-            req_lo = next_req_lo
-            next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
+                # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
+                _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo + SEGMENT_OVERHEAD >= pos).to(tl.int32),
+                               acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            m = tl.full([G_PAD], float("-inf"), tl.float32)
+            l = tl.zeros([G_PAD], tl.float32)
+            acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    # The loop ended in the range's last segment: cut at its end if it has tiles past
+    # this range (and is not the first segment, already counted).
+    last_seg, last_seg_cta, last_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, SEGMENT_OVERHEAD,
+                                                         NUM_KV_HEADS, FUSED_MERGE_PIECES)
+    last_seg = tl.where((pos < end) & (end - seg_lo - SEGMENT_OVERHEAD > 0) & (end - seg_lo - SEGMENT_OVERHEAD < n_tiles)
+                        & (pos - seg_lo - SEGMENT_OVERHEAD <= 0), last_seg, -1)
+
+    if tl.sum((scan_lens == 0).to(tl.int32), 0) > 0:
+        for i in range(EMPTY_SCAN):
+            if tl.sum(tl.where(tl.arange(0, EMPTY_SCAN) == i, scan_lens, 0), 0) == 0:
+                _store_empty_request(out_ptr, stride_ob, stride_oh, cta + num_ctas * i,
+                                     NUM_KV_HEADS, G, G_PAD, HEAD_DIM, BLOCK_D)
+    for r in range(cta + num_ctas * EMPTY_SCAN, batch_size, num_ctas):
+        if tl.load(seq_lens_ptr + r) == 0:
+            _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS, G, G_PAD, HEAD_DIM, BLOCK_D)
     # The arrivals wait for the walk to end: a merge inside the loop would raise its
     # register pressure past the 128-register cap (spills in the tile loop).
-    if cut_first >= 0:
-        # Every thread's partial stores happen before the (release) arrivals below.
-        tl.debug_barrier()
-        _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
-                       stride_ob, stride_oh, cut_first, piece, NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, BLOCK_N,
-                       SEGMENT_OVERHEAD, FUSED_MERGE_PIECES, MERGE_ROWS, MERGE_BLOCK_P)
-        if cut_last >= 0:
-            _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
-                           stride_ob, stride_oh, cut_last, piece, NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, BLOCK_N,
-                           SEGMENT_OVERHEAD, FUSED_MERGE_PIECES, MERGE_ROWS, MERGE_BLOCK_P)
+    if (first_seg >= 0) | (last_seg >= 0):
+        _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
+                          first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
+                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_P)
+
+
+@triton.jit
+def _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
+                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = 0: a request of no tokens attends to nothing."""
+    zero_acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    zero_l = tl.zeros([G_PAD], tl.float32)
+    for h in range(NUM_KV_HEADS):
+        _store_rows(out_ptr, stride_ob, stride_oh, r, h, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -248,41 +325,47 @@ def _merge_partials(o_part_ptr, lse_part_ptr, row0, first, count, slot_a, slot_c
 
 
 @triton.jit
-def _merge_if_last(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr,
-                   stride_ob, stride_oh, segment, piece,
-                   NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
-                   MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr):
-    """Arrive at cut segment ``segment`` (= b * Hkv + h), whose piece this CTA has stored,
-    and merge its pieces into ``out`` if it has at most FUSED_MERGE_PIECES and this CTA is
-    the last to arrive. Its pieces run on CTAs first_cta .. last_cta; CTA c's is at slot
-    2c + (c == first_cta).
+def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
+                      first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
+                      NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr):
+    """Arrive at this CTA's cut segments of few pieces (``first_seg`` / ``last_seg`` =
+    b * Hkv + h, or -1 for none), whose pieces it has stored, and merge into ``out`` each
+    one at which it arrives last. A segment's pieces run on CTAs seg_cta ..
+    seg_cta + pieces - 1; CTA c's is at slot 2c + (c == seg_cta).
 
-    The arrival counter is ``merge_counters[first_cta]`` (a CTA is the first CTA of at most
+    The arrival counter is ``merge_counters[seg_cta]`` (a CTA is the first CTA of at most
     one cut segment); the last arrival resets it to 0 for the next launch (or graph
-    replay). Arrival order decides only who merges: the merge order is fixed. Segments of
-    more pieces are left to ``merge_stream_kernel``: their last pieces arrive together at
-    the end of the kernel, where one CTA's serial merge steps each wait on memory that the
-    other CTAs keep loaded, and a grid of merge programs does them in parallel.
+    replay). Both arrivals are one two-lane atomic, so their round trips overlap. Arrival
+    order decides only who merges: the merge order is fixed. Segments of more pieces are
+    left to ``merge_stream_kernel``: their last pieces arrive together at the end of the
+    kernel, where one CTA's serial merge steps each wait on memory that the other CTAs
+    keep loaded, and a grid of merge programs does them in parallel.
     """
-    b = segment // NUM_KV_HEADS
-    h = segment % NUM_KV_HEADS
-    n_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
-    first_tile = tl.load(req_cost_start_ptr + b) + h * (n_tiles + SEGMENT_OVERHEAD) + SEGMENT_OVERHEAD
-    first_cta = first_tile // piece
-    pieces = (first_tile + n_tiles - 1) // piece - first_cta + 1
-    if pieces <= FUSED_MERGE_PIECES:
-        if tl.atomic_add(merge_counters_ptr + first_cta, 1, sem="acq_rel", scope="gpu") == pieces - 1:
-            tl.atomic_xchg(merge_counters_ptr + first_cta, 0)
-            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, 0, first_cta, pieces, 2, 0, 1,
+    lane = tl.arange(0, 2)
+    seg = tl.where(lane == 0, first_seg, last_seg)
+    seg_cta = tl.where(lane == 0, first_seg_cta, last_seg_cta)
+    pieces = tl.where(lane == 0, first_seg_pieces, last_seg_pieces)
+    arriving = seg >= 0
+    # Every thread's partial stores happen before the (release) arrivals.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(merge_counters_ptr + seg_cta, 1, mask=arriving, sem="acq_rel", scope="gpu")
+    merging = arriving & (arrived == pieces - 1)
+    tl.atomic_xchg(merge_counters_ptr + seg_cta, 0, mask=merging)
+    for i in range(2):
+        mine = merging & (lane == i)
+        if tl.sum(mine.to(tl.int32), 0) > 0:
+            segment = tl.sum(tl.where(mine, seg, 0), 0)
+            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
+                                             tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1,
                                              G, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_P)
-            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, weight, G, MERGE_ROWS, HEAD_DIM, BLOCK_D)
+            _store_rows(out_ptr, stride_ob, stride_oh, segment // NUM_KV_HEADS, segment % NUM_KV_HEADS, 0,
+                        acc, weight, G, MERGE_ROWS, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def merge_stream_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr,
-    plan_scalars_ptr, stride_ob, stride_oh,
+    o_part_ptr, lse_part_ptr, out_ptr, cta_start_ptr, plan_scalars_ptr, stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
     FUSED_MERGE_PIECES: tl.constexpr, USE_PDL: tl.constexpr,
@@ -290,7 +373,8 @@ def merge_stream_kernel(
     """Grid (C, row chunks). Program j merges the segment that CTA boundary j*piece cuts,
     if j is the first boundary inside that segment's tiles and the segment has more than
     FUSED_MERGE_PIECES pieces (fewer are merged inside ``decode_stream_kernel``): one
-    program per such segment and row chunk, whatever the batch size.
+    program per such segment and row chunk, whatever the batch size. The request at
+    boundary j is the one CTA j starts in (``cta_start[j]``).
 
     USE_PDL (programmatic dependent launch, sm90): this grid is launched while the decode
     kernel runs; each program finds its segment, then waits (``gdc_wait``) for the decode
@@ -303,25 +387,24 @@ def merge_stream_kernel(
     # A run of n tiles spans at most cdiv(n - 1, piece) + 1 CTAs: if even the longest
     # request's segments are merged inside the decode kernel, no program has work.
     most_pieces = tl.cdiv(tl.load(plan_scalars_ptr + 3) - 1, piece) + 1
+    k = tl.load(cta_start_ptr + 4 * j)
+    b = tl.load(cta_start_ptr + 4 * j + 1)
+    n_tiles = tl.cdiv(tl.load(cta_start_ptr + 4 * j + 2), BLOCK_N)
+    req_lo = tl.load(cta_start_ptr + 4 * j + 3)
     x = j * piece
-    k = tl.load(cta_first_req_ptr + j)
     if (j > 0) & (k < num_active) & (most_pieces > FUSED_MERGE_PIECES):
-        b = tl.load(active_req_ptr + k)
-        n_tiles = tl.cdiv(tl.load(seq_lens_ptr + b), BLOCK_N)
         seg_cost = n_tiles + SEGMENT_OVERHEAD
-        req_lo = tl.load(req_cost_start_ptr + b)
         h = (x - req_lo) // seg_cost
         first_tile = req_lo + h * seg_cost + SEGMENT_OVERHEAD
-        first_cta = first_tile // piece
-        last_cta = (first_tile + n_tiles - 1) // piece
+        first_cta, pieces = _segment_span(first_tile, n_tiles, piece)
         # Boundary x cuts the tile run [first_tile, first_tile + n) iff first_tile < x < first_tile + n;
         # the previous boundary x - piece must not (so exactly one program merges it).
         if (first_tile < x) & (x < first_tile + n_tiles) & (x - piece <= first_tile) & \
-                (last_cta - first_cta + 1 > FUSED_MERGE_PIECES):
+                (pieces > FUSED_MERGE_PIECES):
             if USE_PDL:
                 gdc_wait()
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, first_cta, last_cta - first_cta + 1,
+            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, first_cta, pieces,
                                              2, 0, 1, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
             _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, weight, G, ROWS, HEAD_DIM, BLOCK_D)
 

@@ -12,23 +12,33 @@ from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kern
 from .kv_write import kv_write_kernel
 from .plan import plan_stream_kernel
 
-# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests and
-# answers PLAN_COMPARE_TILE // chunk CTAs per program (a [CTAs, chunk] compare tile).
-# Each chunk is a dependent step (load, cumsum, carry), so one chunk per pass keeps the
-# whole plan at two load latencies up to B = 2048.
+# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests; each
+# program answers a few CTAs with a [CTAs, chunk] compare tile of at most
+# PLAN_COMPARE_TILE elements, and about one program per SM answers them all (the tile's
+# reductions are the plan's cost: at B = 2048, 32768-element tiles on 33 programs took
+# 12.2 us, 8192-element tiles on 132 programs 7.9 us; run 6, plan-time.log in
+# benchmarks/results/2026-11-30-h200-run6/). Each chunk is a dependent step
+# (load, cumsum, carry), so one chunk per pass keeps the whole plan at two load latencies
+# up to B = 2048.
 PLAN_MAX_BLOCK_B = 2048
-PLAN_COMPARE_TILE = 32768
+PLAN_COMPARE_TILE = 8192
 # A merge step's tile: [BLOCK_P partials, query rows, head dim] of MERGE_TILE elements,
 # 32 fp32 per thread at 4 warps.
 MERGE_TILE = 4096
 # The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself
 # (its last piece to arrive), in steps of STREAM_MERGE_TILE elements (16 fp32 per thread
 # at 4 warps; under the sm90 cap of 128 registers a 4096-element step makes the compiler
-# spill inside the tile loop), so 4 pieces of G = 8, D = 128 take two steps. On the H200
+# spill inside the tile loop), so 2 pieces of G = 8, D = 128 take one step. On the H200
 # each such step waits ~1-2 us on memory loaded by the other CTAs (16 pieces took 10-14 us
-# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid.
-FUSED_MERGE_PIECES = 4
+# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid: from
+# 3 pieces on, its parallel programs finish sooner (run 6, B = 32 Skewed40 151 vs 156 us
+# with 4 fused pieces; elsewhere within 1 us).
+FUSED_MERGE_PIECES = 2
 STREAM_MERGE_TILE = 2048
+# The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
+# its start, in one vector load, to find the empty ones it writes zeros for; rows past
+# that (B > EMPTY_SCAN * C) are scanned one by one.
+EMPTY_SCAN = 16
 
 
 def group_rows(group_size: int) -> int:
@@ -50,23 +60,31 @@ def _merge_constants(group_size: int, head_dim: int, config) -> dict:
                 BLOCK_P=max(1, MERGE_TILE // (rows * block_d)))
 
 
-def _stream_merge_constants(group_size: int, head_dim: int) -> dict:
-    """The stream kernel's own merge: all of a segment's G rows per step, STREAM_MERGE_TILE elements."""
+def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
+                     use_pdl: bool) -> dict:
+    """Compile-time constants of ``decode_stream_kernel``. Its own merge takes all of a
+    segment's G rows per step, in steps of STREAM_MERGE_TILE elements."""
     rows = triton.next_power_of_2(group_size)
-    return dict(FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=rows,
-                MERGE_BLOCK_P=max(1, STREAM_MERGE_TILE // (rows * triton.next_power_of_2(head_dim))))
+    return dict(_shape_constants(num_kv_heads, group_size, head_dim), PAGE_SIZE=page_size, BLOCK_N=config.block_n,
+                NUM_STAGES=config.num_stages, SEGMENT_OVERHEAD=config.segment_overhead,
+                FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=rows,
+                MERGE_BLOCK_P=max(1, STREAM_MERGE_TILE // (rows * triton.next_power_of_2(head_dim))),
+                EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
 
 
-def launch_plan_stream(seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
-                       capacity: int, num_ctas: int, num_kv_heads: int, block_n: int, segment_overhead: int):
+def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
+                       capacity: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
+                       segment_overhead: int):
     """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``).
 
     The chunk is the batch rounded up to a power of two (128 .. PLAN_MAX_BLOCK_B), so a
-    graph captured at one batch size keeps one compiled variant."""
+    graph captured at one batch size keeps one compiled variant. Each program answers
+    ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
+    would pass PLAN_COMPARE_TILE elements."""
     block_b = min(max(triton.next_power_of_2(seq_lens.shape[0]), 128), PLAN_MAX_BLOCK_B)
-    block_c = min(PLAN_COMPARE_TILE // block_b, 64)
+    block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
     plan_stream_kernel[(triton.cdiv(num_ctas, block_c),)](
-        seq_lens, plan_seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
+        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
         seq_lens.shape[0], capacity, num_ctas,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, SEGMENT_OVERHEAD=segment_overhead,
         BLOCK_B=block_b, BLOCK_C=block_c, num_warps=8 if block_b >= 1024 else 4)
@@ -78,7 +96,7 @@ def _cache_strides(q, k_cache, v_cache, out, page_table):
 
 
 def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
-                         req_cost_start, active_req, cta_first_req, plan_scalars, sm_scale_log2: float,
+                         active_req, cta_start, plan_scalars, sm_scale_log2: float,
                          num_ctas: int, page_size: int, config, use_pdl: bool):
     """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
     o_part/lse_part hold 2 * num_ctas slots, merge_counters [num_ctas] int32 zeros).
@@ -86,16 +104,14 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     return decode_stream_kernel[(num_ctas,)](
-        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, req_cost_start, active_req,
-        cta_first_req, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
-        q.shape[0], **_shape_constants(num_kv_heads, group, head_dim),
-        PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        SEGMENT_OVERHEAD=config.segment_overhead, **_stream_merge_constants(group, head_dim), USE_PDL=use_pdl,
+        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req,
+        cta_start, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale_log2,
+        q.shape[0], **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl),
         num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
-def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
-                        num_ctas: int, num_kv_heads: int, config, use_pdl: bool):
+def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas: int, num_kv_heads: int, config,
+                        use_pdl: bool):
     """Grid (C, row chunks): one program per CTA boundary (see merge_stream_kernel). use_pdl:
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
     group = out.shape[1] // num_kv_heads
@@ -103,8 +119,7 @@ def launch_merge_stream(o_part, lse_part, out, seq_lens, req_cost_start, active_
     grid = (num_ctas, triton.cdiv(group, consts["ROWS"]))
     pdl = dict(launch_pdl=True) if use_pdl else {}
     merge_stream_kernel[grid](
-        o_part, lse_part, out, seq_lens, req_cost_start, active_req, cta_first_req, plan_scalars,
-        out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
+        o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
         SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl,
         num_warps=config.merge_num_warps, **pdl, **consts)
 

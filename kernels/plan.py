@@ -4,22 +4,29 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
 
 * ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
   reach), so the decode kernel can never index past a page-table row;
-* ``req_cost_start [B + 1] int32``  exclusive prefix sum of request costs, where a
-  request of n tiles costs ``Hkv * (n + SEGMENT_OVERHEAD)`` (0 when n == 0);
 * ``active_req [B] int32``  the non-empty requests in batch order (the decode kernel
   walks this list, so it never steps over empty requests one by one);
-* ``cta_first_req [C] int32``  for CTA c, the index into ``active_req`` of the first
-  request whose cost range ends after ``c * piece``: where CTA c starts walking;
+* ``cta_start [C, 4] int32``  where CTA c starts walking: the first request whose cost
+  range ends after ``c * piece``, as (its index into ``active_req``, its batch index,
+  its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
+  end. The decode kernel reads these with its other scalars in one round trip instead
+  of a chain of three dependent loads;
 * ``plan_scalars [4] int32``  (piece, total, number of active requests, tiles of the
   longest request) with ``piece = max(ceil(total / C), 1)``.
 
 Worked example (Hkv = 1, BLOCK_N = 16, SEGMENT_OVERHEAD = 1, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [8, 0, 3], total 11, piece 3,
-req_cost_start = [0, 8, 8, 11]; active_req = [0, 2]; CTA starts at cost 0, 3, 6, 9
--> cta_first_req = [0, 0, 0, 1] (request 1 is empty and never visited).
+cost starts [0, 8, 8]; active_req = [0, 2]; CTA starts at cost 0, 3, 6, 9
+-> cta_start = [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [1, 2, 20, 8]]
+(request 1 is empty and never visited).
+
+Requests lie end to end on one cost line: a request of n tiles costs
+``Hkv * (n + SEGMENT_OVERHEAD)`` (0 when n == 0); its cost start is the exclusive prefix sum.
 
 Each program recomputes the (cheap, L2-resident) prefix sum and answers BLOCK_C CTAs
-by counting ``req_cost_end <= c * piece`` instead of a serial binary search.
+by counting ``req_cost_end <= c * piece`` instead of a serial binary search. Requests end
+in batch order, so the ended ones are a prefix: the first request still open is the
+count of ended ones, and its length and cost start are read off the same compare tile.
 """
 
 import triton
@@ -40,7 +47,7 @@ def _request_cost(seq_lens_ptr, offs, batch_size, capacity,
 
 @triton.jit
 def plan_stream_kernel(
-    seq_lens_ptr, plan_seq_lens_ptr, req_cost_start_ptr, active_req_ptr, cta_first_req_ptr, plan_scalars_ptr,
+    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
     batch_size, capacity, num_ctas,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -58,7 +65,10 @@ def plan_stream_kernel(
 
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     cta_pos = offs_c * piece
+    first_active = tl.zeros([BLOCK_C], tl.int32)
     first_req = tl.zeros([BLOCK_C], tl.int32)
+    first_len = tl.zeros([BLOCK_C], tl.int32)
+    first_cost_start = tl.zeros([BLOCK_C], tl.int32)
     carry = tl.zeros([], tl.int32)
     active_carry = tl.zeros([], tl.int32)
     writer = pid == 0
@@ -67,18 +77,28 @@ def plan_stream_kernel(
         seq_len, cost, mask = _request_cost(seq_lens_ptr, offs, batch_size, capacity,
                                             NUM_KV_HEADS, BLOCK_N, SEGMENT_OVERHEAD)
         cost_end = tl.cumsum(cost, 0) + carry
+        cost_start = cost_end - cost
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
-        tl.store(req_cost_start_ptr + offs, cost_end - cost, mask=mask & writer)
         active = cost > 0
         rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
         tl.store(active_req_ptr + rank, offs, mask=active & writer)
-        ended = (cost_end[None, :] <= cta_pos[:, None]) & active[None, :]
+        ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
+        first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
         first_req += tl.sum(ended.to(tl.int32), 1)
+        # The first open request is request first_req once every chunk is counted; it
+        # is in this chunk iff it is there after this chunk's count.
+        is_first = (offs[None, :] == first_req[:, None]) & mask[None, :]
+        first_len += tl.sum(tl.where(is_first, seq_len[None, :], 0), 1)
+        first_cost_start += tl.sum(tl.where(is_first, cost_start[None, :], 0), 1)
         carry += tl.sum(cost, 0)
         active_carry += tl.sum(active.to(tl.int32), 0)
-    tl.store(cta_first_req_ptr + offs_c, first_req, mask=offs_c < num_ctas)
+    first_cost_start = tl.where(first_req < batch_size, first_cost_start, total)
+    cta_mask = offs_c < num_ctas
+    tl.store(cta_start_ptr + 4 * offs_c, first_active, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 1, first_req, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 2, first_len, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
     if writer:
-        tl.store(req_cost_start_ptr + batch_size, total)
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)

@@ -12,10 +12,12 @@ pointer args], "fp32": [fp32 scalar args], "unaligned": [int args not divisible 
 ``*_ptr`` argument is an int32 pointer, every other upper-case one a constexpr, the rest
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
-bytes of one CTA, whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS), and
-``mma_loop_spills``: local-memory loads and stores (LDL / STL) inside an innermost loop
-whose body has an MMA, i.e. spills that cost on every tile (a spill outside the tile loop
-costs once per segment or once per CTA).
+bytes of one CTA, whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS), and the
+local-memory traffic of the innermost loop whose body has an MMA (the tile loop; a spill
+outside it costs once per segment or once per CTA): ``mma_loop_spills``, the spill stores
+(STL) in it and the loads (LDL) of local slots it stores, i.e. loop state that goes
+through local memory on every tile; ``mma_loop_reloads``, its loads of slots stored only
+outside it, i.e. a loop-invariant value rematerialised from local memory (an L1 hit).
 """
 
 import importlib
@@ -34,10 +36,14 @@ from triton.compiler import ASTSource
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
-def mma_loop_spills(sass: str) -> int:
-    """LDL/STL instructions inside an innermost loop whose body has an HMMA or HGMMA (the
-    tile loop, not an outer loop around it). A loop is the address range [target, branch]
-    of a backward branch (``BRA`` to a lower address)."""
+LOCAL_ACCESS = re.compile(r"\b(LDL|STL)\b[^\[]*\[([^\]]+)\]")
+
+
+def mma_loop_local_traffic(sass: str) -> tuple[int, int]:
+    """(spills, reloads) inside the innermost loops whose body has an HMMA or HGMMA (the
+    tile loop, not an outer loop around it): spills = STL there plus LDL there of a local
+    slot also stored there; reloads = LDL there of a slot stored only outside. A loop is
+    the address range [target, branch] of a backward branch (``BRA`` to a lower address)."""
     code = [(int(addr, 16), text) for addr, text in SASS_LINE.findall(sass)]
     loops = []
     for addr, text in code:
@@ -48,7 +54,11 @@ def mma_loop_spills(sass: str) -> int:
                  if any(lo <= a <= hi and re.search(r"\bH(G)?MMA\b", t) for a, t in code)]
     innermost = [(lo, hi) for lo, hi in mma_loops
                  if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma_loops)]
-    return sum(1 for a, t in code if re.search(r"\b(LDL|STL)\b", t) and any(lo <= a <= hi for lo, hi in innermost))
+    inside = [(m.group(1), m.group(2).replace(" ", "")) for a, t in code
+              if any(lo <= a <= hi for lo, hi in innermost) for m in [LOCAL_ACCESS.search(t)] if m]
+    stored_inside = {slot for op, slot in inside if op == "STL"}
+    spills = sum(1 for op, slot in inside if op == "STL" or slot in stored_inside)
+    return spills, len(inside) - spills
 
 
 def main():
@@ -76,8 +86,10 @@ def main():
                                    check=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         field = lambda key: int(usage.split(key + ":")[1].split()[0])  # noqa: E731
+        spills, reloads = mma_loop_local_traffic(sass)
         result.append(dict(regs=field("REG"), stack=field("STACK"), shared=compiled.metadata.shared,
-                           wgmma="HGMMA" in sass, cp_async="LDGSTS" in sass, mma_loop_spills=mma_loop_spills(sass)))
+                           wgmma="HGMMA" in sass, cp_async="LDGSTS" in sass, mma_loop_spills=spills,
+                           mma_loop_reloads=reloads))
     print(json.dumps(result))
 
 

@@ -15,7 +15,10 @@ def cdiv(a, b):
 
 
 def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
-    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_first_req [C], piece, total, max_tiles)."""
+    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_start [C, 4], piece, total, max_tiles).
+
+    cta_start[c] = (k, b, seq_lens[b], req_cost_start[b]) for b = active_req[k], the first
+    request whose cost range ends after c * piece; (K, B, 0, total) past the end."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     tiles = cdiv(lens, block_n)
     cost = np.where(tiles > 0, (tiles + overhead) * num_kv_heads, 0)
@@ -24,9 +27,15 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
     piece = max(-(-total // num_ctas), 1)
     starts = np.arange(num_ctas, dtype=np.int64) * piece
     active = np.flatnonzero(cost > 0)
-    first = np.array([int(np.sum(end[active] <= s)) for s in starts], dtype=np.int64)
-    return dict(seq_lens=lens, req_cost_start=np.concatenate([end - cost, [total]]), active_req=active,
-                cta_first_req=first, piece=piece, total=total, max_tiles=int(tiles.max()) if len(tiles) else 0)
+    req_cost_start = np.concatenate([end - cost, [total]])
+    cta_start = []
+    for s in starts:
+        k = int(np.sum(end[active] <= s))
+        b = int(active[k]) if k < len(active) else len(lens)
+        cta_start.append((k, b, int(lens[b]) if b < len(lens) else 0, int(req_cost_start[b])))
+    return dict(seq_lens=lens, req_cost_start=req_cost_start, active_req=active,
+                cta_start=np.array(cta_start, dtype=np.int64).reshape(num_ctas, 4), piece=piece, total=total,
+                max_tiles=int(tiles.max()) if len(tiles) else 0)
 
 
 def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
@@ -69,11 +78,11 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
     Returns (pieces, writes): pieces[c] = list of (b, h, tile_begin, tile_end);
     writes = list of (kind, b, h, slot) with kind 'out' or 'partial'.
     """
-    lens, start, first_req = plan["seq_lens"], plan["req_cost_start"], plan["cta_first_req"]
+    lens, start, cta_start = plan["seq_lens"], plan["req_cost_start"], plan["cta_start"]
     piece, total, active = plan["piece"], plan["total"], plan["active_req"]
     pieces, writes = [], []
     for c in range(num_ctas):
-        pos, end, k = c * piece, min((c + 1) * piece, total), int(first_req[c])
+        pos, end, k = c * piece, min((c + 1) * piece, total), int(cta_start[c, 0])
         mine = []
         while pos < end:
             b = int(active[k])
@@ -121,18 +130,17 @@ def stream_fused_merges(reads, fused_pieces):
 
 def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead, fused_pieces):
     """Segments merged by each program j of merge_stream_kernel (its selection rule): [(b, h)]."""
-    piece, active, first_req = plan["piece"], plan["active_req"], plan["cta_first_req"]
+    piece, active, cta_start = plan["piece"], plan["active_req"], plan["cta_start"]
     merged = []
     if (plan["max_tiles"] - 1 + piece - 1) // piece + 1 <= fused_pieces:  # the kernel's early exit
         return merged
     for j in range(1, num_ctas):
-        x, k = j * piece, int(first_req[j])
+        x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
         if k >= len(active):
             continue
-        b = int(active[k])
-        n = int(cdiv(plan["seq_lens"][b], block_n))
-        h = (x - int(plan["req_cost_start"][b])) // (n + overhead)
-        first_tile = int(plan["req_cost_start"][b]) + h * (n + overhead) + overhead
+        n = int(cdiv(seq_len, block_n))
+        h = (x - req_lo) // (n + overhead)
+        first_tile = req_lo + h * (n + overhead) + overhead
         pieces = (first_tile + n - 1) // piece - first_tile // piece + 1
         if first_tile < x < first_tile + n and x - piece <= first_tile and pieces > fused_pieces:
             merged.append((b, h))

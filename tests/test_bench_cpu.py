@@ -384,9 +384,9 @@ def test_tune_decode_parses_config_names():
     import tune_decode
     cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_ctas_per_sm, cfg.max_registers) == (64, 4, 5, 3, 128)
-    assert (cfg.segment_overhead, cfg.programmatic_launch) == (1, True)
-    cfg = tune_decode.parse_config("bn32-w8-s2-c4-o0")
-    assert (cfg.max_registers, cfg.segment_overhead) == (None, 0)
+    assert (cfg.segment_overhead, cfg.programmatic_launch) == (0, True)
+    cfg = tune_decode.parse_config("bn32-w8-s2-c4-o1")
+    assert (cfg.max_registers, cfg.segment_overhead) == (None, 1)
     assert tune_decode.parse_config("bn64-w4-s3-c4-o3-r128").segment_overhead == 3
     with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
         tune_decode.parse_config("bn64-w4-sX-c3")

@@ -28,9 +28,8 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
     want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
-    np.testing.assert_array_equal(s.req_cost_start[:len(lens) + 1].cpu().numpy(), want["req_cost_start"])
     np.testing.assert_array_equal(s.active_req[:len(want["active_req"])].cpu().numpy(), want["active_req"])
-    np.testing.assert_array_equal(s.cta_first_req.cpu().numpy(), want["cta_first_req"])
+    np.testing.assert_array_equal(s.cta_start.cpu().numpy(), want["cta_start"])
     assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"]]
     return want, cfg
 
@@ -104,7 +103,7 @@ def test_stream_plan_worked_example():
     want = stream_plan([100, 0, 20], 1024, 4, 1, 16, 1)
     assert want["req_cost_start"].tolist() == [0, 8, 8, 11]
     assert want["active_req"].tolist() == [0, 2]
-    assert want["cta_first_req"].tolist() == [0, 0, 0, 1]
+    assert want["cta_start"].tolist() == [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [1, 2, 20, 8]]
     assert (want["piece"], want["total"]) == (3, 11)
 
 
