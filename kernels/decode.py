@@ -20,8 +20,9 @@ Two kernels walk the segments, one per scheduling mode:
   (request, split, KV head) triples. Persistent CTAs pull units from an atomic
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
-``decode_units_kernel`` runs ``_attend_tiles`` (online softmax over a tile range) per
-unit; both share ``_store_rows``, ``_store_partial`` and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
+Both kernels take their online-softmax steps with ``_attend_tile`` (the units kernel
+through ``_attend_tiles``, one loop per unit) and share ``_store_rows``, ``_store_partial``
+and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
@@ -48,6 +49,44 @@ def _load_q(q_ptr, stride_qb, stride_qh, b, h,
 
 
 @triton.jit
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len, sm_scale_log2,
+                 m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One online-softmax step of q [G_PAD, BLOCK_D] against tile ``tile`` of a segment
+    (tokens tile * BLOCK_N ..; those at or past ``seq_len`` are masked, so the page-table
+    tail and the unused part of the last page are never read). k_head / v_head point at
+    the segment's KV head. MAY_BE_EMPTY: ``tile`` may be negative (an overhead unit of the
+    stream kernel), a step with no token, which leaves (m, l, acc) as they are.
+
+    Returns the new (m [G_PAD] running base-2 max, l [G_PAD] running sum, acc [G_PAD,
+    BLOCK_D] fp32 unnormalised)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    tok = tile * BLOCK_N + offs_n
+    mask_n = tok < seq_len
+    if MAY_BE_EMPTY:
+        mask_n = mask_n & (tile >= 0)
+    page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
+    slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = m_new
+    if MAY_BE_EMPTY:
+        # A step with no token leaves m at -inf: subtract 0 there, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
                   page_row_ptr, h, seq_len, tile_begin, tile_end, sm_scale_log2,
                   PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -56,33 +95,16 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
     scaled by ``sm_scale * log2(e)`` in fp32.
 
     Returns (acc [G_PAD, BLOCK_D] fp32, unnormalised), m [G_PAD] (running base-2 max)
-    and l [G_PAD] (running sum). Tokens at or past ``seq_len`` are masked, so the
-    page-table tail and the unused part of the last page are never read.
+    and l [G_PAD] (running sum).
     """
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
     k_head = k_ptr + h.to(tl.int64) * stride_k_head
     v_head = v_ptr + h.to(tl.int64) * stride_v_head
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        tok = tile * BLOCK_N + offs_n
-        mask_n = tok < seq_len
-        page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len,
+                                 sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, False)
     return acc, m, l
 
 
@@ -191,11 +213,6 @@ def decode_stream_kernel(
                                                             NUM_KV_HEADS, FUSED_MERGE_PIECES)
     first_seg = tl.where((pos < end) & (pos - seg_lo - SEGMENT_OVERHEAD > 0), first_seg, -1)
 
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_g = tl.arange(0, G_PAD)
-    mask_d = offs_d < HEAD_DIM
-    q_mask = (offs_g[:, None] < G) & mask_d[None, :]
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
@@ -215,29 +232,11 @@ def decode_stream_kernel(
             else:
                 h = h + 1
         tile = c - seg_lo - SEGMENT_OVERHEAD
-        tok = tile * BLOCK_N + offs_n
-        mask_n = (tile >= 0) & (tok < seq_len)
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh
-                    + offs_d[None, :], mask=q_mask, other=0.0)
-        page = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt + tok // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_tile = tl.load(k_ptr + h.to(tl.int64) * stride_k_head + slot[:, None] * stride_k_slot + offs_d[None, :],
-                         mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k_tile)) * sm_scale_log2
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = m_new
-        if SEGMENT_OVERHEAD > 0:
-            # An overhead unit (no token) leaves m at -inf: subtract 0 there, not -inf.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        v_tile = tl.load(v_ptr + h.to(tl.int64) * stride_v_head + slot[:, None] * stride_v_slot + offs_d[None, :],
-                         mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
-        m = m_new
+        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
+        m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head, v_ptr + h.to(tl.int64) * stride_v_head,
+                                 stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt, tile,
+                                 seq_len, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                 SEGMENT_OVERHEAD > 0)
         # The segment's last tile in this range: store it whole, or as a cut piece.
         tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
         if (tile >= 0) & (tile == tile_end - 1):

@@ -233,10 +233,10 @@ def test_arch_table_compiles_for_its_target(arch, cap):
     """Each arch table's decode and merge kernels compile for that target (sm_90a / sm_80,
     on the CPU with Triton's bundled ptxas); the persistent decode kernel fits the table's
     resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers at 128 for
-    4 CTAs/SM (the compiler alone takes 168, 2 CTAs/SM): no loop state may spill in the
-    tile loop (SASS: no STL in the innermost loop with an MMA, no LDL of a slot stored
-    there; an 80-register build, which does spill there, shows the check can fail); sm80
-    fits 2 CTAs/SM in an A100's 164 KiB without spills."""
+    4 CTAs/SM (the compiler alone takes more, 2-3 CTAs/SM): the few registers that spills
+    must stay out of the tile loop (SASS: no LDL/STL in the innermost loop with an MMA; an
+    80-register build, which does spill there, shows the check can fail); sm80 fits 2
+    CTAs/SM in an A100's 164 KiB without spills."""
     from evenkv.arch import decode_config
     from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, _merge_constants, stream_constants
     cfg = decode_config(arch, 128)
@@ -256,10 +256,7 @@ def test_arch_table_compiles_for_its_target(arch, cap):
         assert stream["stack"] == 0, f"register spills: {stream}"
     else:
         assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
-        # At most one loop-invariant value re-read from local memory per tile (an L1 hit
-        # beside the tile's 32 KiB of K/V); sm90 at 128 registers rematerialises one
-        # shared-memory address this way.
-        assert stream["mma_loop_reloads"] <= 1, f"local-memory reloads in the tile loop: {stream}"
+        assert stream["mma_loop_reloads"] == 0, f"local-memory reloads in the tile loop: {stream}"
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
     merge = _merge_constants(8, 128, cfg)
     merge_options = dict(num_warps=cfg.merge_num_warps)
