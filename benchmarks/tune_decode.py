@@ -1,11 +1,12 @@
 """Sweep DecodeConfig candidates on the GPU: the evidence behind evenkv.arch's tables.
 
 For each candidate config and policy, times decode (plan excluded) on the seed
-experiment's batches (Qwen3-30B-A3B attention, bf16) with a cold L2, and prints one
-CSV row per point with the fraction of the device-to-device copy bandwidth measured
-in the same process. Usage:
+experiment's batches (one of the benchmark's shapes, default Qwen3-30B-A3B attention,
+bf16) with a cold L2, and prints one CSV row per point with the fraction of the
+device-to-device copy bandwidth measured in the same process, and the largest
+difference from the first candidate's output at that point. Usage:
 
-    python benchmarks/tune_decode.py --out tune.csv [--tokens 262144] [--page 16]
+    python benchmarks/tune_decode.py --out tune.csv [--shape gemma3-12b] [--tokens 262144] [--page 16]
 """
 
 import argparse
@@ -18,12 +19,10 @@ import sys
 import torch
 
 # First: it makes the checkout's evenkv importable when it is not installed.
-from decode_imbalance import GpuTimer, copy_bandwidth
+from decode_imbalance import SHAPES, GpuTimer, copy_bandwidth
 
 import evenkv  # noqa: E402
 from evenkv.arch import DecodeConfig  # noqa: E402
-
-HQ, HKV, D = 32, 4, 128
 
 
 def lengths(total, batch, dist):
@@ -38,8 +37,8 @@ def lengths(total, batch, dist):
     return big + [rest // n + (1 if i < rest % n else 0) for i in range(n)]
 
 
-def make_batch(total, batch, dist, page, num_pages):
-    """q [B, HQ, D] bf16, seq_lens [B] int32 and a page table [B, max pages] int32 of
+def make_batch(total, batch, dist, page, num_pages, shape):
+    """q [B, Hq, D] bf16, seq_lens [B] int32 and a page table [B, max pages] int32 of
     random distinct pages out of ``num_pages``, for ``total`` tokens split by ``dist``."""
     lens = lengths(total, batch, dist)
     pages = [(n + page - 1) // page for n in lens]
@@ -50,7 +49,7 @@ def make_batch(total, batch, dist, page, num_pages):
         pt[b, :n] = perm[off:off + n]
         off += n
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
     return q, seq_lens, pt
 
 
@@ -78,6 +77,7 @@ def parse_config(name):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=262144)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--batches", default="1,8,64,512,2048")
@@ -92,37 +92,42 @@ def main():
     copy_bw = copy_bandwidth(device) * 1e12
     print(f"copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s", file=sys.stderr)
     timer = GpuTimer(device, 256)
-    total, page = args.tokens, args.page
+    total, page, shape = args.tokens, args.page, SHAPES[args.shape]
+    hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     pages_needed = total // page + 4096
-    k = torch.randn(pages_needed * page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(pages_needed * page, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     if args.configs == "tables":
-        configs = [evenkv.decode_config(a, D) for a in ("sm80", "sm90")]
+        configs = [evenkv.decode_config(a, d) for a in ("sm80", "sm90")]
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}-o{o}")
-                   for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (1,))]
+                   for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (0,))]
     else:
         configs = [parse_config(name) for name in args.configs.split(",")]
     rows = []
-    kv_bytes = 2 * total * HKV * D * 2
+    kv_bytes = 2 * total * hkv * d * 2
     for batch in map(int, args.batches.split(",")):
         for dist in args.dists.split(","):
-            q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed)
+            q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed, shape)
+            first_out = None
             for cfg, policy in itertools.product(configs, args.policies.split(",")):
                 try:
-                    attn = evenkv.DecodeAttention(HQ, HKV, D, page, q.dtype, "cuda", batch, pt.shape[1], policy,
+                    attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
                                                   config=cfg)
                     attn.plan(seq_lens, pt)
                     out = attn.run(q, k, v)
+                    first_out = out.clone() if first_out is None else first_out
+                    diff = (out.float() - first_out.float()).abs().max().item()
                     us = statistics.median(timer.events(lambda: attn.run(q, k, v, out=out), 30, 100.0))
                 except Exception as exc:  # a config that fails to compile (shared memory) is reported
                     print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                     continue
                 frac = kv_bytes / (us * 1e-6) / copy_bw
-                rows.append(dict(config=cfg.name, policy=policy, ctas=attn.num_ctas, T=total, B=batch, dist=dist,
-                                 page=page, us=round(us, 2), frac_copy=round(frac, 4)))
+                rows.append(dict(config=cfg.name, policy=policy, shape=shape.name, ctas=attn.num_ctas, T=total,
+                                 B=batch, dist=dist, page=page, us=round(us, 2), frac_copy=round(frac, 4),
+                                 max_diff_vs_first=f"{diff:.2e}"))
                 print(f"{cfg.name:24s} {policy:8s} C={attn.num_ctas:4d} B={batch:5d} {dist:9s} "
-                      f"{us:9.1f} us {100 * frac:6.1f} %", flush=True)
+                      f"{us:9.1f} us {100 * frac:6.1f} % diff {diff:.1e}", flush=True)
     write_csv(args.out, rows)
 
 
