@@ -32,7 +32,7 @@ MERGE_TILE = 4096
 # each such step waits ~1-2 us on memory loaded by the other CTAs (16 pieces took 10-14 us
 # to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid: from
 # 3 pieces on, its parallel programs finish sooner (run 6, B = 32 Skewed40 151 vs 156 us
-# with 4 fused pieces; elsewhere within 1 us).
+# and B = 16 Skewed80 155 vs 158 us with 4 fused pieces; elsewhere within 1.1 us).
 FUSED_MERGE_PIECES = 2
 STREAM_MERGE_TILE = 2048
 # The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
