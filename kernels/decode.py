@@ -211,7 +211,8 @@ def decode_stream_kernel(
     # The first segment is cut at its start if it has tiles before this range.
     first_seg, first_seg_cta, first_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, SEGMENT_OVERHEAD,
                                                             NUM_KV_HEADS, FUSED_MERGE_PIECES)
-    first_seg = tl.where((pos < end) & (pos - seg_lo - SEGMENT_OVERHEAD > 0), first_seg, -1)
+    tiles_before = pos - seg_lo - SEGMENT_OVERHEAD
+    first_seg = tl.where((pos < end) & (tiles_before > 0), first_seg, -1)
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -249,12 +250,13 @@ def decode_stream_kernel(
             m = tl.full([G_PAD], float("-inf"), tl.float32)
             l = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    # The loop ended in the range's last segment: cut at its end if it has tiles past
-    # this range (and is not the first segment, already counted).
+    # The loop ended in the range's last segment: cut at its end if it has tiles in and
+    # past this range (and did not start before it: then it is the first one, counted).
     last_seg, last_seg_cta, last_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, SEGMENT_OVERHEAD,
                                                          NUM_KV_HEADS, FUSED_MERGE_PIECES)
-    last_seg = tl.where((pos < end) & (end - seg_lo - SEGMENT_OVERHEAD > 0) & (end - seg_lo - SEGMENT_OVERHEAD < n_tiles)
-                        & (pos - seg_lo - SEGMENT_OVERHEAD <= 0), last_seg, -1)
+    tiles_to_end = end - seg_lo - SEGMENT_OVERHEAD
+    tiles_before = pos - seg_lo - SEGMENT_OVERHEAD
+    last_seg = tl.where((pos < end) & (tiles_to_end > 0) & (tiles_to_end < n_tiles) & (tiles_before <= 0), last_seg, -1)
 
     if tl.sum((scan_lens == 0).to(tl.int32), 0) > 0:
         for i in range(EMPTY_SCAN):

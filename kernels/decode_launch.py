@@ -15,9 +15,9 @@ from .plan import plan_stream_kernel
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests; each
 # program answers a few CTAs with a [CTAs, chunk] compare tile of at most
 # PLAN_COMPARE_TILE elements, and about one program per SM answers them all (the tile's
-# reductions are the plan's cost: at B = 2048, 32768-element tiles on 33 programs took
-# 12.2 us, 8192-element tiles on 132 programs 7.9 us; run 6, plan-time.log in
-# benchmarks/results/2026-11-30-h200-run6/). Each chunk is a dependent step
+# reductions are the plan's cost: at B = 2048 and C = 528, 33 programs of 16 CTAs took
+# 12.2 us, 132 programs of 4 CTAs 8.0 us; run 6, plan-time-old-grid.log and plan-time.log
+# in benchmarks/results/2026-11-30-h200-run6/). Each chunk is a dependent step
 # (load, cumsum, carry), so one chunk per pass keeps the whole plan at two load latencies
 # up to B = 2048.
 PLAN_MAX_BLOCK_B = 2048
@@ -119,8 +119,8 @@ def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas
     grid = (num_ctas, triton.cdiv(group, consts["ROWS"]))
     pdl = dict(launch_pdl=True) if use_pdl else {}
     merge_stream_kernel[grid](
-        o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1), NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n,
-        SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl,
+        o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl,
         num_warps=config.merge_num_warps, **pdl, **consts)
 
 
