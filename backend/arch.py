@@ -29,8 +29,8 @@ class DecodeConfig:
     segment_overhead: fixed cost of a (request, KV head) segment, in tiles, charged by the
         balanced partition; the stream kernel spends one masked iteration per unit of it.
     merge_num_warps: of the LSE merge kernel.
-    merge_rows: query rows (of a segment's G) per merge program; fewer rows give a
-        segment cut into many pieces more programs and wider steps over its pieces.
+    merge_rows: query rows (of a segment's G) per program of the units policies' merge
+        kernel; fewer rows give a request of many splits more programs.
     max_registers: per-thread register cap of the decode kernels (ptx .maxnreg), or None
         for the compiler's choice; a lower cap fits more resident CTAs per SM.
     programmatic_launch: launch the balanced policy's merge kernel as a programmatic

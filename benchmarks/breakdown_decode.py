@@ -1,14 +1,15 @@
 """Where the balanced decode's time goes, on the GPU: the evidence behind issue 4's notes.
 
-For each point (Qwen3-30B-A3B attention, bf16, cold L2) it prints one CSV row per
-measurement, all in GPU time from torch.profiler (mean over the profiled calls; host
-launch gaps excluded): the plan step, each kernel of the balanced run and their sum,
-the ``none`` policy (one CTA per (request, KV head), no split, no merge), the balanced
-run at other persistent grid sizes (``--grids``, CTAs per SM; CTAs past the resident
-ones run in later waves, the stream-K partition does not need them co-resident) and
-with other merge row chunks (``--merge-rows``) and register caps
-(``--max-registers``). ``--ncu`` instead runs one point
-three times for a profiler:
+For each point (one of the benchmark's shapes, default Qwen3-30B-A3B attention, bf16,
+cold L2) it prints one CSV row per measurement, all in GPU time from torch.profiler
+(mean over the profiled calls; host launch gaps excluded): the plan step, each kernel
+of the balanced run and their sum (on sm90 the merge kernel is launched early, as a
+programmatic dependent, so its time includes its wait for the decode kernel and the sum
+overstates; ncu serialises the kernels and times each alone), the ``none`` policy (one
+CTA per (request, KV head), no split, no merge), the balanced run at other persistent
+grid sizes (``--grids``, CTAs per SM; CTAs past the resident ones run in later waves,
+the stream-K partition does not need them co-resident) and with other register caps
+(``--max-registers``). ``--ncu`` instead runs one point three times for a profiler:
 
     python benchmarks/breakdown_decode.py --out breakdown.csv --points 1:Uniform,2048:Skewed40
     ncu --clock-control none --kernel-name regex:decode_stream --launch-skip 2 --launch-count 1 \\
@@ -23,7 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import evenkv
-from tune_decode import D, HKV, HQ, copy_bandwidth, make_batch, write_csv
+from decode_imbalance import SHAPES, copy_bandwidth
+from tune_decode import make_batch, write_csv
 
 
 def kernel_means_us(fn, flush, reps=20) -> dict:
@@ -41,29 +43,30 @@ def kernel_means_us(fn, flush, reps=20) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=262144)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--points", default="1:Uniform,128:Uniform,2048:Uniform,2048:Skewed40")
     ap.add_argument("--grids", default="2,3,4,6,8,12", help="persistent CTAs per SM to try")
-    ap.add_argument("--merge-rows", default="1,2,4,8", help="query rows per merge program to try")
     ap.add_argument("--max-registers", default="",
                     help="per-thread register caps to try (resident CTAs then follow the registers, up to 8/SM)")
     ap.add_argument("--ncu", help="B:dist: run that point 3 times and exit")
     args = ap.parse_args()
     torch.manual_seed(0)
-    total, page = args.tokens, args.page
+    total, page, shape = args.tokens, args.page, SHAPES[args.shape]
+    hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     k_pages = total // page + 4096
-    k = torch.randn(k_pages * page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(k_pages * page, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def build(batch, pt, policy="balanced", **kw):
-        return evenkv.DecodeAttention(HQ, HKV, D, page, torch.bfloat16, "cuda", batch, pt.shape[1], policy, **kw)
+        return evenkv.DecodeAttention(hq, hkv, d, page, torch.bfloat16, "cuda", batch, pt.shape[1], policy, **kw)
 
     if args.ncu:
         b, dist = args.ncu.split(":")
-        q, seq_lens, pt = make_batch(total, int(b), dist, page, k_pages)
+        q, seq_lens, pt = make_batch(total, int(b), dist, page, k_pages, shape)
         attn = build(int(b), pt)
         for _ in range(3):
             attn.plan(seq_lens, pt)
@@ -71,8 +74,8 @@ def main():
         torch.cuda.synchronize()
         return
 
-    copy_bw = copy_bandwidth()
-    kv_bytes = 2 * total * HKV * D * 2
+    copy_bw = copy_bandwidth(torch.device("cuda")) * 1e12
+    kv_bytes = 2 * total * hkv * d * 2
     rows = []
 
     def emit(point, what, ctas, us):
@@ -92,7 +95,7 @@ def main():
     for spec in args.points.split(","):
         b, dist = spec.split(":")
         batch = int(b)
-        q, seq_lens, pt = make_batch(total, batch, dist, page, k_pages)
+        q, seq_lens, pt = make_batch(total, batch, dist, page, k_pages, shape)
         out = torch.empty_like(q)
         attn = build(batch, pt)
         for name, us in kernel_means_us(lambda: attn.plan(seq_lens, pt), flush).items():
@@ -106,10 +109,6 @@ def main():
             grid = build(batch, pt, num_ctas=per_sm * sms)
             grid.plan(seq_lens, pt)
             emit_run(spec, f"balanced grid {per_sm}/SM", grid, q, out)
-        for merge_rows in map(int, args.merge_rows.split(",")):
-            merged = build(batch, pt, config=dataclasses.replace(attn.config, merge_rows=merge_rows))
-            merged.plan(seq_lens, pt)
-            emit_run(spec, f"balanced merge_rows {merge_rows}", merged, q, out)
         for regs in [int(r) for r in args.max_registers.split(",") if r]:
             capped = build(batch, pt, config=dataclasses.replace(attn.config, max_registers=regs, max_ctas_per_sm=8))
             capped.plan(seq_lens, pt)

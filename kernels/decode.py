@@ -22,7 +22,7 @@ Two kernels walk the segments, one per scheduling mode:
 
 Both kernels take their online-softmax steps with ``_attend_tile`` (the units kernel
 through ``_attend_tiles``, one loop per unit) and share ``_store_rows``, ``_store_partial``
-and ``_merge_partials``. Softmax is computed in base 2: the fp32 scores are
+and ``_merge_to_out``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
@@ -109,12 +109,12 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
 
 
 @triton.jit
-def _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, l,
-                G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[b, h*G + g, :] = acc[g - row0] / l[g - row0] for g in [row0, row0 + ROWS), g < G;
-    a row that saw no token (l == 0) is written as zeros."""
+def _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, l,
+                G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr):
+    """out[b, h*G + g, d0 + i] = acc[g - row0, i] / l[g - row0] for g in [row0, row0 + ROWS),
+    g < G, and i < COLS, d0 + i < HEAD_DIM; a row that saw no token (l == 0) is written as zeros."""
     offs_g = row0 + tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, COLS)
     safe_l = tl.where(l > 0, l, 1.0)
     o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
@@ -242,7 +242,7 @@ def decode_stream_kernel(
         tile_end = tl.minimum(end - seg_lo - SEGMENT_OVERHEAD, n_tiles)
         if (tile >= 0) & (tile == tile_end - 1):
             if (pos <= seg_lo + SEGMENT_OVERHEAD) & (tile_end == n_tiles):
-                _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
             else:
                 # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
                 _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo + SEGMENT_OVERHEAD >= pos).to(tl.int32),
@@ -281,32 +281,31 @@ def _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS: tl.cons
     zero_acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     zero_l = tl.zeros([G_PAD], tl.float32)
     for h in range(NUM_KV_HEADS):
-        _store_rows(out_ptr, stride_ob, stride_oh, r, h, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        _store_rows(out_ptr, stride_ob, stride_oh, r, h, 0, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _merge_partials(o_part_ptr, lse_part_ptr, row0, first, count, slot_a, slot_c, slot_first_extra,
-                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Log-sum-exp merge of query rows [row0, row0 + ROWS) of partials i = first ..
-    first+count-1, stored at slot a*i + c (+extra for i == first).
+def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0, d0,
+                  first, count, slot_a, slot_c, slot_first_extra,
+                  G: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """out[b, h*G + g, d0 : d0 + COLS] for g in [row0, row0 + ROWS) (g < G, columns <
+    HEAD_DIM) = the log-sum-exp merge of partials i = first .. first + count - 1 of those
+    rows and columns, stored at slot a*i + c (+extra for i == first).
 
-    Returns (acc [ROWS, BLOCK_D] fp32, the weighted sum of the partial outputs; m [ROWS],
-    the base-2 max of their LSEs; weight [ROWS], the sum of the weights), so the result is
-    acc / weight with LSE m + log2(weight). A [BLOCK_P partials, ROWS, BLOCK_D] tile per
-    step, so a segment cut into many pieces costs a few dependent loads, not one per piece;
-    the softmax weights are per (partial, row), one exp2 each. The result depends only on
-    the partials (fixed order). Loads bypass L1 (``.cg``): partials written by other CTAs
-    of the same launch must come from L2.
+    A [BLOCK_P partials, ROWS, COLS] tile per step, so a segment cut into many pieces costs
+    a few dependent loads, not one per piece; the softmax weights are per (partial, row),
+    one exp2 each. The result depends only on the partials (fixed order). Loads bypass L1
+    (``.cg``): partials written by other CTAs of the same launch must come from L2.
     """
     offs_p = tl.arange(0, BLOCK_P)
     offs_r = row0 + tl.arange(0, ROWS)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, COLS)
     mask_r = offs_r < G
     mask_d = offs_d < HEAD_DIM
     m = tl.full([ROWS], float("-inf"), tl.float32)
     weight = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    acc = tl.zeros([ROWS, COLS], tl.float32)
     for p0 in range(first, first + count, BLOCK_P):
         i = p0 + offs_p
         slot = (slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)).to(tl.int64)
@@ -322,7 +321,7 @@ def _merge_partials(o_part_ptr, lse_part_ptr, row0, first, count, slot_a, slot_c
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         weight = weight * alpha + tl.sum(w, 0)
         m = m_new
-    return acc, m, weight
+    _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, weight, G, ROWS, HEAD_DIM, COLS)
 
 
 @triton.jit
@@ -357,32 +356,39 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
         mine = merging & (lane == i)
         if tl.sum(mine.to(tl.int32), 0) > 0:
             segment = tl.sum(tl.where(mine, seg, 0), 0)
-            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
-                                             tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1,
-                                             G, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_P)
-            _store_rows(out_ptr, stride_ob, stride_oh, segment // NUM_KV_HEADS, segment % NUM_KV_HEADS, 0,
-                        acc, weight, G, MERGE_ROWS, HEAD_DIM, BLOCK_D)
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, segment // NUM_KV_HEADS,
+                          segment % NUM_KV_HEADS, 0, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
+                          tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, HEAD_DIM, MERGE_ROWS, BLOCK_D,
+                          MERGE_BLOCK_P)
 
 
 @triton.jit
 def merge_stream_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, cta_start_ptr, plan_scalars_ptr, stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
     FUSED_MERGE_PIECES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Grid (C, row chunks). Program j merges the segment that CTA boundary j*piece cuts,
-    if j is the first boundary inside that segment's tiles and the segment has more than
-    FUSED_MERGE_PIECES pieces (fewer are merged inside ``decode_stream_kernel``): one
-    program per such segment and row chunk, whatever the batch size. The request at
-    boundary j is the one CTA j starts in (``cta_start[j]``).
+    """Grid (C,). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
+    are merged inside ``decode_stream_kernel``), with the programs of the CTA boundaries
+    inside it: a segment of P pieces holds P - 1 boundaries (CTAs first_cta + 1 ..
+    first_cta + P - 1 start inside its tiles), and the t-th of them takes a share of the
+    segment's [G, HEAD_DIM] output sized so that each program takes one or a few steps:
+
+    * P <= WHOLE_P: the first one merges all rows in one [WHOLE_P, G_ROWS, BLOCK_D] step;
+    * P <= ROW_P: rows t, t + (P - 1), ..., one [ROW_P, 1, BLOCK_D] step each;
+    * more: items t, t + (P - 1), ... of the G * D_CHUNKS (row, CHUNK_D columns) items
+      (D_CHUNKS = cdiv(HEAD_DIM, CHUNK_D)), each in cdiv(P, CHUNK_P) [CHUNK_P, 1, CHUNK_D] steps.
+
+    The request at boundary j is the one CTA j starts in (``cta_start[j]``). One program
+    per CTA fits in one wave once the decode kernel's CTAs leave.
 
     USE_PDL (programmatic dependent launch, sm90): this grid is launched while the decode
     kernel runs; each program finds its segment, then waits (``gdc_wait``) for the decode
     kernel to finish before it reads any partial.
     """
     j = tl.program_id(0)
-    row0 = tl.program_id(1) * ROWS
     piece = tl.load(plan_scalars_ptr)
     num_active = tl.load(plan_scalars_ptr + 2)
     # A run of n tiles spans at most cdiv(n - 1, piece) + 1 CTAs: if even the longest
@@ -398,16 +404,25 @@ def merge_stream_kernel(
         h = (x - req_lo) // seg_cost
         first_tile = req_lo + h * seg_cost + SEGMENT_OVERHEAD
         first_cta, pieces = _segment_span(first_tile, n_tiles, piece)
-        # Boundary x cuts the tile run [first_tile, first_tile + n) iff first_tile < x < first_tile + n;
-        # the previous boundary x - piece must not (so exactly one program merges it).
-        if (first_tile < x) & (x < first_tile + n_tiles) & (x - piece <= first_tile) & \
-                (pieces > FUSED_MERGE_PIECES):
+        if (first_tile < x) & (x < first_tile + n_tiles) & (pieces > FUSED_MERGE_PIECES):
             if USE_PDL:
                 gdc_wait()
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, first_cta, pieces,
-                                             2, 0, 1, G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
-            _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, weight, G, ROWS, HEAD_DIM, BLOCK_D)
+            t = j - first_cta - 1
+            helpers = pieces - 1
+            if pieces <= WHOLE_P:
+                if t == 0:
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, 0, 0, first_cta,
+                                  pieces, 2, 0, 1, G, HEAD_DIM, G_ROWS, BLOCK_D, WHOLE_P)
+            elif pieces <= ROW_P:
+                for row in range(t, G, helpers):
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row, 0, first_cta,
+                                  pieces, 2, 0, 1, G, HEAD_DIM, 1, BLOCK_D, ROW_P)
+            else:
+                for item in range(t, G * D_CHUNKS, helpers):
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, item // D_CHUNKS,
+                                  (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, HEAD_DIM, 1, CHUNK_D,
+                                  CHUNK_P)
 
 
 @triton.jit
@@ -460,7 +475,7 @@ def decode_units_kernel(
             page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
             PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if num_splits == 1:
-            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
         else:
             _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
         if PERSISTENT:
@@ -490,6 +505,5 @@ def merge_units_kernel(
     num_splits = tl.load(req_splits_ptr + b)
     if num_splits > 1:
         base = tl.load(req_split_base_ptr + b)
-        acc, _, weight = _merge_partials(o_part_ptr, lse_part_ptr, row0, base, num_splits, NUM_KV_HEADS, h, 0,
-                                         G, HEAD_DIM, BLOCK_D, ROWS, BLOCK_P)
-        _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, acc, weight, G, ROWS, HEAD_DIM, BLOCK_D)
+        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0, 0, base, num_splits,
+                      NUM_KV_HEADS, h, 0, G, HEAD_DIM, ROWS, BLOCK_D, BLOCK_P)

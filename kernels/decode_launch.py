@@ -22,9 +22,20 @@ from .plan import plan_stream_kernel
 # up to B = 2048.
 PLAN_MAX_BLOCK_B = 2048
 PLAN_COMPARE_TILE = 8192
-# A merge step's tile: [BLOCK_P partials, query rows, head dim] of MERGE_TILE elements,
-# 32 fp32 per thread at 4 warps.
+# A merge step's tile: [BLOCK_P partials, query rows, head-dim columns] of MERGE_TILE
+# elements, 32 fp32 per thread at 4 warps. merge_stream_kernel runs one program per CTA
+# boundary (one wave) and splits a segment of many pieces into items of one row and
+# MERGE_CHUNK_D columns, so up to 128 pieces take one step. Run 7 (results/2026-11-30-
+# h200-run7/tune/ncu-*-merge.log, ab-merge-grid.log): the merge kernel alone (ncu) took
+# 11.0 -> 6.0 us at B = 1 (132 pieces per segment), 11.2 -> 8.2 at B = 16 Skewed80 and
+# 7.5 -> 5.2 at B = 2048 Skewed40 against one program per (CTA, row), 4224 in several
+# waves; the whole run at B = 1 took 152.1 -> 144.8 us, other points within -2.8..+1.5 us.
 MERGE_TILE = 4096
+MERGE_CHUNK_D = 32
+# merge_stream_kernel merges a segment of at most MERGE_WHOLE_PIECES pieces in one program
+# (all rows in one step); one of more pieces has at least that many programs to share it.
+# (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
+MERGE_WHOLE_PIECES = 8
 # The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself
 # (its last piece to arrive), in steps of STREAM_MERGE_TILE elements (16 fp32 per thread
 # at 4 warps; under the sm90 cap of 128 registers a 4096-element step makes the compiler
@@ -51,13 +62,25 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-def _merge_constants(group_size: int, head_dim: int, config) -> dict:
-    """The merge gives each program ``config.merge_rows`` of a segment's G query rows and
-    reduces [BLOCK_P partials, rows, head dim] tiles of MERGE_TILE elements."""
+def merge_units_constants(group_size: int, head_dim: int, config) -> dict:
+    """The units merge gives each program ``config.merge_rows`` of a segment's G query rows
+    and reduces [BLOCK_P partials, rows, head dim] tiles of MERGE_TILE elements."""
     block_d = triton.next_power_of_2(head_dim)
     rows = min(config.merge_rows, triton.next_power_of_2(group_size))
     return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=rows,
                 BLOCK_P=max(1, MERGE_TILE // (rows * block_d)))
+
+
+def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool) -> dict:
+    """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of
+    MERGE_TILE elements (all rows; one row; one row's MERGE_CHUNK_D columns)."""
+    block_d = triton.next_power_of_2(head_dim)
+    g_rows = triton.next_power_of_2(group_size)
+    chunk_d = min(MERGE_CHUNK_D, block_d)
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_ROWS=g_rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))), ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d,
+                D_CHUNKS=triton.cdiv(head_dim, chunk_d), CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n,
+                SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl)
 
 
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
@@ -112,16 +135,13 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
 
 def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas: int, num_kv_heads: int, config,
                         use_pdl: bool):
-    """Grid (C, row chunks): one program per CTA boundary (see merge_stream_kernel). use_pdl:
+    """Grid (C,): one program per CTA boundary (see merge_stream_kernel). use_pdl:
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
-    group = out.shape[1] // num_kv_heads
-    consts = _merge_constants(group, out.shape[2], config)
-    grid = (num_ctas, triton.cdiv(group, consts["ROWS"]))
     pdl = dict(launch_pdl=True) if use_pdl else {}
-    merge_stream_kernel[grid](
+    merge_stream_kernel[(num_ctas,)](
         o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl,
-        num_warps=config.merge_num_warps, **pdl, **consts)
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl),
+        num_warps=config.merge_num_warps, **pdl)
 
 
 def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
@@ -141,7 +161,7 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, pa
 def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, config):
     batch, num_q_heads, head_dim = out.shape
     group = num_q_heads // num_kv_heads
-    consts = _merge_constants(group, head_dim, config)
+    consts = merge_units_constants(group, head_dim, config)
     merge_units_kernel[(batch * num_kv_heads, triton.cdiv(group, consts["ROWS"]))](
         o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, num_warps=config.merge_num_warps, **consts)

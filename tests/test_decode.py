@@ -190,26 +190,40 @@ def test_merge_row_chunks(device, merge_rows):
     assert_close_to_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
 
 
-@pytest.mark.parametrize("num_kv_heads,num_ctas,fused", [(1, 2, True), (2, 3, True), (1, 6, False), (1, 40, False)])
-def test_stream_merges(device, num_kv_heads, num_ctas, fused):
-    """Both merges of the balanced policy: a long request cut into at most
-    FUSED_MERGE_PIECES pieces is merged by its last piece inside the decode kernel (2 and
-    3 CTAs), into more (6 and 24 pieces) by merge_stream_kernel. G = 7 and head_dim 80 mask
-    rows and columns. A second run of the same plan must give the same bytes: the last
-    arrivals reset their counters, so the next launch (a graph replay) starts from zero."""
+def _stream_merge_path(pieces, consts):
+    """Which of merge_stream_kernel's step shapes a segment of ``pieces`` pieces takes
+    (``fused``: merged inside the decode kernel)."""
     from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
+    if pieces <= FUSED_MERGE_PIECES:
+        return "fused"
+    return "whole" if pieces <= consts["WHOLE_P"] else "rows" if pieces <= consts["ROW_P"] else "chunks"
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,num_ctas,path", [
+    (1, 80, 2, "fused"), (2, 80, 3, "fused"), (1, 80, 4, "whole"), (1, 80, 6, "rows"), (1, 80, 40, "rows"),
+    (1, 80, 80, "chunks"), (1, 256, 25, "chunks")])
+def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
+    """Both merges of the balanced policy, on a long request cut into pieces: at most
+    FUSED_MERGE_PIECES pieces are merged by the last one inside the decode kernel, more by
+    merge_stream_kernel in each of its step shapes: all rows in one step (4 pieces), one
+    row per step spread over the segment's boundaries (6 and 24 pieces), and (row, column
+    chunk) items (47 pieces at head_dim 80, 3 chunks; 24 at head_dim 256, 8 chunks, 56
+    items over 23 programs). G = 7 and head_dim 80 mask rows and columns. A second run of
+    the same plan must give the same bytes: the last arrivals reset their counters, so the
+    next launch (a graph replay) starts from zero."""
+    from evenkv.kernels.decode_launch import merge_stream_constants
     dtype = lane_dtype(torch.float16)
     lens = [3000, 5, 33, 0, 70]
-    attn = evenkv.DecodeAttention(7 * num_kv_heads, num_kv_heads, 80, 16, dtype, device, len(lens), 200,
-                                  num_ctas=num_ctas)
-    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch(lens, 7 * num_kv_heads, num_kv_heads, 80, 16,
-                                                                 dtype, device)
+    hq = 7 * num_kv_heads
+    attn = evenkv.DecodeAttention(hq, num_kv_heads, head_dim, 16, dtype, device, len(lens), 200, num_ctas=num_ctas)
+    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch(lens, hq, num_kv_heads, head_dim, 16, dtype, device)
     plan = attn.plan(seq_lens, page_table)
     # Head 0 of request 0 spans cost [0, n + overhead): its tiles sit at overhead .. overhead + n - 1.
     piece, n = int(plan.schedule.plan_scalars[0]), -(-3000 // attn.config.block_n)
     overhead = attn.config.segment_overhead
     long_pieces = (overhead + n - 1) // piece - overhead // piece + 1
-    assert (1 < long_pieces <= FUSED_MERGE_PIECES) == fused, (long_pieces, piece)
+    consts = merge_stream_constants(num_kv_heads, 7, head_dim, attn.config, False)
+    assert _stream_merge_path(long_pieces, consts) == path, (long_pieces, piece)
     first = attn.run(q, k_cache, v_cache)
     assert_close_to_reference(first, q, k_cache, v_cache, seq_lens, page_table, 16)
     assert int(attn._merge_counters.abs().sum()) == 0
@@ -238,7 +252,7 @@ def test_arch_table_compiles_for_its_target(arch, cap):
     80-register build, which does spill there, shows the check can fail); sm80 fits 2
     CTAs/SM in an A100's 164 KiB without spills."""
     from evenkv.arch import decode_config
-    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, _merge_constants, stream_constants
+    from evenkv.kernels.decode_launch import merge_stream_constants, merge_units_constants, stream_constants
     cfg = decode_config(arch, 128)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
@@ -258,11 +272,9 @@ def test_arch_table_compiles_for_its_target(arch, cap):
         assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
         assert stream["mma_loop_reloads"] == 0, f"local-memory reloads in the tile loop: {stream}"
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
-    merge = _merge_constants(8, 128, cfg)
     merge_options = dict(num_warps=cfg.merge_num_warps)
-    stream_merge = dict(merge, NUM_KV_HEADS=4, BLOCK_N=cfg.block_n, SEGMENT_OVERHEAD=cfg.segment_overhead,
-                        FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=cfg.programmatic_launch)
-    for name, consts in [("merge_stream_kernel", stream_merge), ("merge_units_kernel", dict(merge, NUM_KV_HEADS=4))]:
+    for name, consts in [("merge_stream_kernel", merge_stream_constants(4, 8, 128, cfg, cfg.programmatic_launch)),
+                         ("merge_units_kernel", dict(merge_units_constants(8, 128, cfg), NUM_KV_HEADS=4))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"
