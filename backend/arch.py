@@ -55,7 +55,7 @@ class DecodeConfig:
 # sm90 = the candidate with the best worst point over both page sizes after the best
 # (bn32-w4-s4-c4), which it beats on the sum over points. sm80 keeps Ampere's usual two
 # cp.async stages and two CTAs per SM (A100: 164 KiB shared memory, 108 SMs); it runs on
-# Hopper too, measured slower there. head_dim 256: half the tile, unmeasured yet.
+# Hopper too, measured slower there.
 # sm90 max_registers 128 (benchmarks/breakdown_decode.py, run 2026-11-30, results in
 # benchmarks/results/2026-11-30-h200-run2/breakdown): the compiler's 153 registers fit 3
 # CTAs per SM, 128 fit 4; B = 2048 Skewed40 207 -> 190 us, B = 2048 Uniform 174 -> 168,
@@ -77,16 +77,29 @@ class DecodeConfig:
 # cost up to 37 us (B = 2048 Skewed40 216 vs 174 us with 0); with 0 the one loop took
 # B = 2048 Skewed40 from 184 to 174 us and B = 128 Uniform from 151 to 140 (the segment
 # boundaries no longer drain the pipeline). The sm80 rows follow (unmeasured on an A100).
+# Run 7 (benchmarks/results/2026-11-30-h200-run7/tune/): one row per head-dim class, each
+# tile holding 32 KiB of K and V (block_n * head_dim = 8192). head_dim 64 with block_n 128:
+# Llama-3.2-1B 148-173 us against 167-219 with block_n 64 (B 1-2048, Uniform and Skewed40,
+# d256-d64-tp8.log); capped at 112 registers (4 CTAs per SM, no local memory in the tile
+# loop for G = 4), 1-4 us faster than at 128, where two registers spill in the tile loop
+# (d64-regs.log; 5 CTAs at 96 registers win only B 2048 Skewed40). head_dim 256 capped at
+# 168 registers: the compiler's 201-203 fit 2 CTAs per SM, 168 fit 3 with no local
+# memory; Qwen3-Next 146-171 us against 164-192, Gemma-3 509-561 against 577-658.
+# Llama-3-70B TP8 (Hkv 1) is as fast with block_n 32 as with 64 (within 1 us, worse at
+# B 2048 Skewed40): it keeps the d<=128 row.
 _TABLES = {
     "sm80": {
-        "small": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
-        "large": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
+        "d64": DecodeConfig("sm80-d64", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
+        "d128": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
+        "d256": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2, segment_overhead=0),
     },
     "sm90": {
-        "small": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
-                              max_registers=128, programmatic_launch=True),
-        "large": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
-                              programmatic_launch=True),
+        "d64": DecodeConfig("sm90-d64", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
+                            max_registers=112, programmatic_launch=True),
+        "d128": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4, segment_overhead=0,
+                             max_registers=128, programmatic_launch=True),
+        "d256": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=3, segment_overhead=0,
+                             max_registers=168, programmatic_launch=True),
     },
 }
 
@@ -118,10 +131,10 @@ def resolve_arch(arch: str | None, device: torch.device) -> str:
 
 
 def decode_config(arch: str, head_dim: int) -> DecodeConfig:
-    """The decode config of ``arch`` for ``head_dim`` (<= 128 or 256)."""
+    """The decode config of ``arch`` for ``head_dim`` (<= 64, <= 128 or 256)."""
     if arch not in ARCHES:
         raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
-    return _TABLES[arch]["small" if head_dim <= 128 else "large"]
+    return _TABLES[arch]["d64" if head_dim <= 64 else "d128" if head_dim <= 128 else "d256"]
 
 
 @functools.lru_cache(maxsize=None)

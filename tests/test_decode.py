@@ -243,25 +243,30 @@ def _resident_ctas(result, num_warps, cap):
 
 
 @pytest.mark.parametrize("arch,cap", [("sm90", 90), ("sm80", 80)])
-def test_arch_table_compiles_for_its_target(arch, cap):
-    """Each arch table's decode and merge kernels compile for that target (sm_90a / sm_80,
-    on the CPU with Triton's bundled ptxas); the persistent decode kernel fits the table's
-    resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers at 128 for
-    4 CTAs/SM (the compiler alone takes more, 2-3 CTAs/SM): the few registers that spills
-    must stay out of the tile loop (SASS: no LDL/STL in the innermost loop with an MMA; an
-    80-register build, which does spill there, shows the check can fail); sm80 fits 2
-    CTAs/SM in an A100's 164 KiB without spills."""
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 4), (128, 4, 8), (256, 2, 8)],
+                         ids=["d64", "d128", "d256"])
+def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, group):
+    """Each arch table row's decode and merge kernels compile for that target (sm_90a /
+    sm_80, on the CPU with Triton's bundled ptxas) for a model of its head-dim class
+    (Llama-3.2-1B, Qwen3-30B-A3B, Qwen3-Next); the persistent decode kernel fits the row's
+    resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers (128 for 4
+    CTAs/SM at head_dim <= 128, 168 for 3 at 256; the compiler alone takes more, 2-3
+    CTAs/SM): the few registers that spills must stay out of the tile loop (SASS: no
+    LDL/STL in the innermost loop with an MMA; an 80-register build, which does spill
+    there, shows the check can fail); sm80 fits 2 CTAs/SM in an A100's 164 KiB without
+    spills."""
     from evenkv.arch import decode_config
     from evenkv.kernels.decode_launch import merge_stream_constants, merge_units_constants, stream_constants
-    cfg = decode_config(arch, 128)
+    cfg = decode_config(arch, head_dim)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
     common = dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr"], fp32_ptrs=["o_part_ptr", "lse_part_ptr"],
                   fp32=["sm_scale_log2"], unaligned=["stride_pt", "batch_size"])
-    stream_consts = stream_constants(4, 8, 128, 16, cfg, cfg.programmatic_launch)
+    stream_consts = stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch)
     variants = [dict(cap=cap, consts=stream_consts, options=options)]
-    if cfg.max_registers is not None:
+    starved_check = cfg.max_registers is not None and head_dim == 128
+    if starved_check:
         variants.append(dict(cap=cap, consts=stream_consts, options=dict(options, maxnreg=80)))
     stream, *starved = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
                                         variants=variants))
@@ -271,10 +276,13 @@ def test_arch_table_compiles_for_its_target(arch, cap):
     else:
         assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
         assert stream["mma_loop_reloads"] == 0, f"local-memory reloads in the tile loop: {stream}"
+    if starved_check:
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
     merge_options = dict(num_warps=cfg.merge_num_warps)
-    for name, consts in [("merge_stream_kernel", merge_stream_constants(4, 8, 128, cfg, cfg.programmatic_launch)),
-                         ("merge_units_kernel", dict(merge_units_constants(8, 128, cfg), NUM_KV_HEADS=4))]:
+    for name, consts in [
+            ("merge_stream_kernel",
+             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch)),
+            ("merge_units_kernel", dict(merge_units_constants(group, head_dim, cfg), NUM_KV_HEADS=num_kv_heads))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"
