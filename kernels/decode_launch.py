@@ -39,12 +39,15 @@ MERGE_WHOLE_PIECES = 8
 # The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself
 # (its last piece to arrive), in steps of STREAM_MERGE_TILE elements (16 fp32 per thread
 # at 4 warps; under the sm90 cap of 128 registers a 4096-element step makes the compiler
-# spill inside the tile loop), so 2 pieces of G = 8, D = 128 take one step. On the H200
+# spill inside the tile loop), so 4 pieces of G = 8, D = 128 take two steps. On the H200
 # each such step waits ~1-2 us on memory loaded by the other CTAs (16 pieces took 10-14 us
-# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid: from
-# 3 pieces on, its parallel programs finish sooner (run 6, B = 32 Skewed40 151 vs 156 us
-# and B = 16 Skewed80 155 vs 158 us with 4 fused pieces; elsewhere within 1.1 us).
-FUSED_MERGE_PIECES = 2
+# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid. Run 7
+# (tune/ab-fused.log, 14 points at T = 256K): against 2 fused pieces, 4 took B = 96
+# Uniform from 159 to 152 us and B = 32 Uniform from 151 to 147 (segments of 3 pieces
+# there), cost 3 us at B = 16 Uniform (147 vs 144) and 1 us at B = 128 Skewed40; 10 us less
+# over the 14 points (3 pieces: 4 us less). Run 6, with one merge program per (CTA, row),
+# had found 2 better.
+FUSED_MERGE_PIECES = 4
 STREAM_MERGE_TILE = 2048
 # The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
 # its start, in one vector load, to find the empty ones it writes zeros for; rows past

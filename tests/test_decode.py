@@ -200,15 +200,16 @@ def _stream_merge_path(pieces, consts):
 
 
 @pytest.mark.parametrize("num_kv_heads,head_dim,num_ctas,path", [
-    (1, 80, 2, "fused"), (2, 80, 3, "fused"), (1, 80, 4, "whole"), (1, 80, 6, "rows"), (1, 80, 40, "rows"),
+    (1, 80, 2, "fused"), (2, 80, 8, "fused"), (1, 64, 6, "whole"), (1, 80, 6, "rows"), (1, 80, 40, "rows"),
     (1, 80, 80, "chunks"), (1, 256, 25, "chunks")])
 def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     """Both merges of the balanced policy, on a long request cut into pieces: at most
-    FUSED_MERGE_PIECES pieces are merged by the last one inside the decode kernel, more by
-    merge_stream_kernel in each of its step shapes: all rows in one step (4 pieces), one
-    row per step spread over the segment's boundaries (6 and 24 pieces), and (row, column
-    chunk) items (47 pieces at head_dim 80, 3 chunks; 24 at head_dim 256, 8 chunks, 56
-    items over 23 programs). G = 7 and head_dim 80 mask rows and columns. A second run of
+    FUSED_MERGE_PIECES pieces (2 and 4 here) are merged by the last one inside the decode
+    kernel, more by merge_stream_kernel in each of its step shapes: all rows in one step
+    (5 pieces at head_dim 64), one row per step spread over the segment's boundaries (6
+    and 24 pieces), and (row, column chunk) items (47 pieces at head_dim 80, 3 chunks; 24
+    at head_dim 256, 8 chunks, 56 items over 23 programs). G = 7 and head_dim 80 mask rows
+    and columns. A second run of
     the same plan must give the same bytes: the last arrivals reset their counters, so the
     next launch (a graph replay) starts from zero."""
     from evenkv.kernels.decode_launch import merge_stream_constants
