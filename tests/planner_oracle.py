@@ -128,12 +128,38 @@ def stream_fused_merges(reads, fused_pieces):
     return {key: (slots[0] - 1) // 2 for key, slots in reads.items() if len(slots) <= fused_pieces}
 
 
-def stream_merge_programs(plan, num_ctas, num_kv_heads, block_n, overhead, fused_pieces):
-    """Segments merged by each program j of merge_stream_kernel (its selection rule): [(b, h)]."""
+def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, overhead, fused_pieces, consts):
+    """What each program j of merge_stream_kernel merges (its selection and sharing rule,
+    for the step shapes in ``consts``, from ``merge_stream_constants``):
+    {(b, h): [(j, row, first column, end column)]}."""
     piece, active, cta_start = plan["piece"], plan["active_req"], plan["cta_start"]
-    merged = []
+    group, head_dim = consts["G"], consts["HEAD_DIM"]
+    shares = {}
     if (plan["max_tiles"] - 1 + piece - 1) // piece + 1 <= fused_pieces:  # the kernel's early exit
-        return merged
+        return shares
+    for j in range(1, num_ctas):
+        x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
+        if k >= len(active):
+            continue
+        n = int(cdiv(seq_len, block_n))
+        h = (x - req_lo) // (n + overhead)
+        first_tile = req_lo + h * (n + overhead) + overhead
+        first_cta = first_tile // piece
+        pieces = (first_tile + n - 1) // piece - first_cta + 1
+        if not (first_tile < x < first_tile + n and pieces > fused_pieces):
+            continue
+        t, helpers = j - first_cta - 1, pieces - 1
+        mine = shares.setdefault((b, h), [])
+        if pieces <= consts["WHOLE_P"]:
+            if t == 0:
+                mine += [(j, row, 0, head_dim) for row in range(group)]
+        elif pieces <= consts["ROW_P"]:
+            mine += [(j, row, 0, head_dim) for row in range(t, group, helpers)]
+        else:
+            chunk, chunks = consts["CHUNK_D"], consts["D_CHUNKS"]
+            mine += [(j, item // chunks, item % chunks * chunk, min(item % chunks * chunk + chunk, head_dim))
+                     for item in range(t, group * chunks, helpers)]
+    return shares
     for j in range(1, num_ctas):
         x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
         if k >= len(active):

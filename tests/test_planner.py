@@ -7,11 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
-from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_programs,
-                            stream_merge_reads, stream_plan)
+from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, merge_stream_constants
+from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
+                            stream_merge_shares, stream_plan)
 
 BLOCK_N = evenkv.decode_config("sm90", 128).block_n
+# (G, head_dim) of merge_stream_kernel's share checks: an all-rows step of 4 or 8 pieces,
+# partly masked rows and columns (7, 80), G = 1 with one column chunk per row, and more
+# (row, column chunk) items than a segment of 33-64 pieces has programs (16, 128).
+MERGE_SHAPES = [(8, 128), (7, 80), (2, 256), (1, 32), (16, 128)]
 
 
 def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64):
@@ -64,16 +68,23 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
     slots = [s for v in written.values() for s in v]
     assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
     # Every cut segment is merged exactly once: by the decode kernel (at most
-    # FUSED_MERGE_PIECES pieces, one arrival counter each, inside [0, C)) or by one
-    # boundary-indexed program of merge_stream_kernel (the rest).
+    # FUSED_MERGE_PIECES pieces, one arrival counter each, inside [0, C)) or by the
+    # boundary-indexed programs of merge_stream_kernel inside it (the rest), whose shares
+    # cover each of its G rows and head-dim columns once, for each step shape.
     for fused_pieces in (FUSED_MERGE_PIECES, 2, 0):
         fused = stream_fused_merges(reads, fused_pieces)
         counters = list(fused.values())
         assert len(counters) == len(set(counters)) and all(0 <= c < num_ctas for c in counters)
-        programs = stream_merge_programs(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead,
-                                         fused_pieces)
-        assert len(programs) == len(set(programs)) and not set(programs) & set(fused)
-        assert set(programs) | set(fused) == set(reads)
+        for group, head_dim in MERGE_SHAPES:
+            consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False)
+            shares = stream_merge_shares(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead,
+                                         fused_pieces, consts)
+            assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
+            for key, parts in shares.items():
+                cover = np.zeros((group, head_dim), dtype=np.int64)
+                for _, row, col0, col1 in parts:
+                    cover[row, col0:col1] += 1
+                assert (cover == 1).all(), (key, fused_pieces, group, head_dim, len(reads[key]))
     # Segments written whole + segments merged = every non-empty segment, each once.
     outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
     assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
@@ -96,6 +107,15 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
 def test_stream_plan_matches_oracle(device, lens, num_kv_heads, num_ctas):
     want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+@pytest.mark.parametrize("num_ctas", [34, 100])
+def test_stream_merge_shares_many_pieces(device, num_ctas):
+    """A 64-tile request (a 4096-token page table) cut into 32 pieces (merge_stream_kernel
+    shares it by rows at head_dim 80/128, by (row, column chunk) items at 256) and into 64
+    (items everywhere; at G = 16, head_dim 128, 64 items on 63 programs, one takes two)."""
+    want, cfg = _check_stream(device, [4096, 5, 0, 70], 1, num_ctas, max_pages=256)
+    _stream_invariants(want, cfg, 1, num_ctas)
 
 
 def test_stream_plan_worked_example():
