@@ -81,9 +81,10 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
     g_rows = triton.next_power_of_2(group_size)
     chunk_d = min(MERGE_CHUNK_D, block_d)
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_ROWS=g_rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))), ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d,
-                D_CHUNKS=triton.cdiv(head_dim, chunk_d), CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n,
-                SEGMENT_OVERHEAD=config.segment_overhead, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl)
+                WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))),
+                ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
+                CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, SEGMENT_OVERHEAD=config.segment_overhead,
+                FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, USE_PDL=use_pdl)
 
 
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
