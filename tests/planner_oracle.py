@@ -160,14 +160,3 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, overhead, fused_p
             mine += [(j, item // chunks, item % chunks * chunk, min(item % chunks * chunk + chunk, head_dim))
                      for item in range(t, group * chunks, helpers)]
     return shares
-    for j in range(1, num_ctas):
-        x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
-        if k >= len(active):
-            continue
-        n = int(cdiv(seq_len, block_n))
-        h = (x - req_lo) // (n + overhead)
-        first_tile = req_lo + h * (n + overhead) + overhead
-        pieces = (first_tile + n - 1) // piece - first_tile // piece + 1
-        if first_tile < x < first_tile + n and x - piece <= first_tile and pieces > fused_pieces:
-            merged.append((b, h))
-    return merged

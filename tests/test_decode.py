@@ -209,9 +209,8 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     (5 pieces at head_dim 64), one row per step spread over the segment's boundaries (6
     and 24 pieces), and (row, column chunk) items (47 pieces at head_dim 80, 3 chunks; 24
     at head_dim 256, 8 chunks, 56 items over 23 programs). G = 7 and head_dim 80 mask rows
-    and columns. A second run of
-    the same plan must give the same bytes: the last arrivals reset their counters, so the
-    next launch (a graph replay) starts from zero."""
+    and columns. A second run of the same plan must give the same bytes: the last arrivals
+    reset their counters, so the next launch (a graph replay) starts from zero."""
     from evenkv.kernels.decode_launch import merge_stream_constants
     dtype = lane_dtype(torch.float16)
     lens = [3000, 5, 33, 0, 70]
@@ -250,9 +249,9 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
     """Each arch table row's decode and merge kernels compile for that target (sm_90a /
     sm_80, on the CPU with Triton's bundled ptxas) for a model of its head-dim class
     (Llama-3.2-1B, Qwen3-30B-A3B, Qwen3-Next); the persistent decode kernel fits the row's
-    resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers (128 for 4
-    CTAs/SM at head_dim <= 128, 168 for 3 at 256; the compiler alone takes more, 2-3
-    CTAs/SM): the few registers that spills must stay out of the tile loop (SASS: no
+    resident CTAs per SM, the merge kernels spill nothing. sm90 caps registers (112 at
+    head_dim 64 and 128 at 128 for 4 CTAs/SM, 168 for 3 at 256; the compiler alone takes
+    more, 2-3 CTAs/SM): the few registers that spills must stay out of the tile loop (SASS: no
     LDL/STL in the innermost loop with an MMA; an 80-register build, which does spill
     there, shows the check can fail); sm80 fits 2 CTAs/SM in an A100's 164 KiB without
     spills."""
