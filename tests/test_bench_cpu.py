@@ -390,3 +390,16 @@ def test_tune_decode_parses_config_names():
     assert tune_decode.parse_config("bn64-w4-s3-c4-o3-r128").segment_overhead == 3
     with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
         tune_decode.parse_config("bn64-w4-sX-c3")
+
+
+def test_read_floor_kernel_sums_each_chunk():
+    """The read-floor benchmark's streaming kernel (interpreter): program p sums its own chunk."""
+    import read_floor
+    x = torch.randn(4 * 3 * 32, dtype=torch.bfloat16)
+    got = read_floor.read_sum(x, grid=4, block=32, num_warps=4, num_stages=2)
+    want = x.float().view(4, -1).sum(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="divisible by grid \\* block = 256, got 384"):
+        read_floor.read_sum(x, grid=4, block=64, num_warps=4)
+    with pytest.raises(ValueError, match="bfloat16 tensor, got shape \\(384,\\) torch.float32"):
+        read_floor.read_sum(x.float(), grid=4, block=32, num_warps=4)
