@@ -161,7 +161,7 @@ def decode_stream_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SEGMENT_OVERHEAD: tl.constexpr,
-    FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr,
+    FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
@@ -271,7 +271,7 @@ def decode_stream_kernel(
     if (first_seg >= 0) | (last_seg >= 0):
         _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
                           first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
-                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_BLOCK_P)
+                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS)
 
 
 @triton.jit
@@ -328,7 +328,7 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
 def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
                       first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
                       NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MERGE_ROWS: tl.constexpr, MERGE_BLOCK_P: tl.constexpr):
+                      MERGE_ROWS: tl.constexpr):
     """Arrive at this CTA's cut segments of few pieces (``first_seg`` / ``last_seg`` =
     b * Hkv + h, or -1 for none), whose pieces it has stored, and merge into ``out`` each
     one at which it arrives last. A segment's pieces run on CTAs seg_cta ..
@@ -359,7 +359,9 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
             _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, segment // NUM_KV_HEADS,
                           segment % NUM_KV_HEADS, 0, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
                           tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, HEAD_DIM, MERGE_ROWS, BLOCK_D,
-                          MERGE_BLOCK_P)
+                          # One partial per step: a step of several reduces across them through
+                          # shared memory, slower here than the extra dependent loads.
+                          BLOCK_P=1)
 
 
 @triton.jit

@@ -37,18 +37,20 @@ MERGE_CHUNK_D = 32
 # (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
 MERGE_WHOLE_PIECES = 8
 # The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself
-# (its last piece to arrive), in steps of STREAM_MERGE_TILE elements (16 fp32 per thread
-# at 4 warps; under the sm90 cap of 128 registers a 4096-element step makes the compiler
-# spill inside the tile loop), so 4 pieces of G = 8, D = 128 take two steps. On the H200
-# each such step waits ~1-2 us on memory loaded by the other CTAs (16 pieces took 10-14 us
-# to merge in one CTA), so segments of more pieces go to merge_stream_kernel's grid. Run 7
+# (its last piece to arrive), one partial ([G rows, head_dim]) per step. A step of several
+# partials reduces across them through shared memory (8 barriers per step in the SASS);
+# run 8 (results/2026-11-30-h200-run8/tune/ab-merge-step.log, 15 points, one device call):
+# one partial per step against two took T = 32K B = 48 Uniform from 44.2 to 36.0 us, T = 256K
+# B = 96 Uniform from 152.8 to 147.6, T = 1M B = 128 Uniform from 522.8 to 518.2, no point
+# slower by more than 0.3 us; four per step (4096 elements) was 9-14 us slower
+# (ab-merge-step-4096.log). Segments of more pieces go to merge_stream_kernel's grid: one
+# CTA's serial steps each wait on memory that the other CTAs keep loaded. Run 7
 # (tune/ab-fused.log, 14 points at T = 256K): against 2 fused pieces, 4 took B = 96
 # Uniform from 159 to 152 us and B = 32 Uniform from 151 to 147 (segments of 3 pieces
 # there), cost 3 us at B = 16 Uniform (147 vs 144) and 1 us at B = 128 Skewed40; 10 us less
-# over the 14 points (3 pieces: 4 us less). Run 6, with one merge program per (CTA, row),
-# had found 2 better.
+# over the 14 points. Run 8 (ab-fused-pieces.log, with two partials per step): 0, 2 and 3
+# no better than 4 at any of 14 points by more than 0.5 us.
 FUSED_MERGE_PIECES = 4
-STREAM_MERGE_TILE = 2048
 # The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
 # its start, in one vector load, to find the empty ones it writes zeros for; rows past
 # that (B > EMPTY_SCAN * C) are scanned one by one.
@@ -90,12 +92,10 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
                      use_pdl: bool) -> dict:
     """Compile-time constants of ``decode_stream_kernel``. Its own merge takes all of a
-    segment's G rows per step, in steps of STREAM_MERGE_TILE elements."""
-    rows = triton.next_power_of_2(group_size)
+    segment's G rows (MERGE_ROWS, padded to a power of two) of one partial per step."""
     return dict(_shape_constants(num_kv_heads, group_size, head_dim), PAGE_SIZE=page_size, BLOCK_N=config.block_n,
                 NUM_STAGES=config.num_stages, SEGMENT_OVERHEAD=config.segment_overhead,
-                FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=rows,
-                MERGE_BLOCK_P=max(1, STREAM_MERGE_TILE // (rows * triton.next_power_of_2(head_dim))),
+                FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=triton.next_power_of_2(group_size),
                 EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
 
 
