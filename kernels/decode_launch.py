@@ -42,14 +42,15 @@ MERGE_WHOLE_PIECES = 8
 # run 8 (results/2026-11-30-h200-run8/tune/ab-merge-step.log, 15 points, one device call):
 # one partial per step against two took T = 32K B = 48 Uniform from 44.2 to 36.0 us, T = 256K
 # B = 96 Uniform from 152.8 to 147.6, T = 1M B = 128 Uniform from 522.8 to 518.2, no point
-# slower by more than 0.3 us; four per step (4096 elements) was 9-14 us slower
+# slower by more than 0.3 us; four per step (4096 elements) was 0.4-14 us slower
 # (ab-merge-step-4096.log). Segments of more pieces go to merge_stream_kernel's grid: one
 # CTA's serial steps each wait on memory that the other CTAs keep loaded. Run 7
 # (tune/ab-fused.log, 14 points at T = 256K): against 2 fused pieces, 4 took B = 96
 # Uniform from 159 to 152 us and B = 32 Uniform from 151 to 147 (segments of 3 pieces
 # there), cost 3 us at B = 16 Uniform (147 vs 144) and 1 us at B = 128 Skewed40; 10 us less
-# over the 14 points. Run 8 (ab-fused-pieces.log, with two partials per step): 0, 2 and 3
-# no better than 4 at any of 14 points by more than 0.5 us.
+# over the 14 points. Run 8 (ab-fused-pieces.log, with two partials per step, 14 points):
+# 0, 2 and 3 were 1.0-1.3 us faster at T = 256K B = 16 Uniform and up to 5-7 us slower
+# elsewhere (over the 14 points: 31, 17 and 6 us more).
 FUSED_MERGE_PIECES = 4
 # The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
 # its start, in one vector load, to find the empty ones it writes zeros for; rows past
