@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from decode_imbalance import GpuTimer, copy_bandwidth
+from tune_decode import write_csv
 
 
 @triton.jit
@@ -92,7 +93,6 @@ def main():
               f" of copy)  read-flush {best['us_read_flush']:7.1f} us ({100 * best['frac_copy_read_flush']:5.1f} %)"
               f"  [grid {best['grid']}, block {best['block']}, {best['warps']} warps]", flush=True)
     if args.out:
-        from tune_decode import write_csv
         write_csv(args.out, rows)
 
 
