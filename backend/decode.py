@@ -114,7 +114,7 @@ class DecodeAttention:
         if self._kind == "stream":
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
             self._merge_counters = torch.zeros(self.num_ctas, **i32)
-            return StreamSchedule(torch.zeros(b, **i32), torch.zeros(self.num_ctas, 4, **i32), torch.zeros(4, **i32),
+            return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self.num_ctas, 4, **i32), torch.zeros(4, **i32),
                                   self.num_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
@@ -143,7 +143,7 @@ class DecodeAttention:
         i32 = dict(dtype=torch.int32, device=dev)
         scratch = torch.empty(2 * self.group_size * d, dtype=torch.float32, device=dev)
         if self._kind == "stream":
-            active, cta_start = torch.zeros(1, **i32), torch.zeros(1, 4, **i32)
+            active, cta_start = torch.zeros(1, 2, **i32), torch.zeros(1, 4, **i32)
             scalars = torch.zeros(4, **i32)
             launch.launch_plan_stream(seq_lens, seq_lens, active, cta_start, scalars, self.page_size, 1, 1,
                                       hkv, self.config.block_n, self.config.segment_overhead)

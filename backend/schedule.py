@@ -44,10 +44,10 @@ DETERMINISTIC_MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class StreamSchedule:
-    """``balanced`` plan. active_req [B] int32 (non-empty requests in order); cta_start
-    [C, 4] int32 (the request CTA c starts in: its index into active_req, batch index,
-    length, cost start); plan_scalars [4] int32 (piece, total, active count, tiles of the
-    longest request)."""
+    """``balanced`` plan. active_req [B, 2] int32 (non-empty requests in order: batch index,
+    clamped length); cta_start [C, 4] int32 (the request CTA c starts in: its index into
+    active_req, batch index, length, cost start); plan_scalars [4] int32 (piece, total,
+    active count, tiles of the longest request)."""
 
     active_req: torch.Tensor
     cta_start: torch.Tensor

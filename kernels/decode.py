@@ -194,8 +194,8 @@ def decode_stream_kernel(
     b = tl.load(cta_start_ptr + 4 * cta + 1)
     seq_len = tl.load(cta_start_ptr + 4 * cta + 2)
     req_lo = tl.load(cta_start_ptr + 4 * cta + 3)
-    next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
-    next_seq_len = tl.load(seq_lens_ptr + next_b)
+    next_b = tl.load(active_req_ptr + 2 * (k + 1), mask=k + 1 < num_active, other=0)
+    next_seq_len = tl.load(active_req_ptr + 2 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
     # Empty requests (seq_len 0: padded graph rows) are on no CTA's cost range; CTA c
     # writes zeros for requests c, c + C, ... among them. Their lengths are loaded now
     # and looked at after the walk, so the load is off the path to the first tile.
@@ -228,8 +228,8 @@ def decode_stream_kernel(
                 seq_len = next_seq_len
                 n_tiles = tl.cdiv(seq_len, BLOCK_N)
                 seg_cost = n_tiles + SEGMENT_OVERHEAD
-                next_b = tl.load(active_req_ptr + k + 1, mask=k + 1 < num_active, other=0)
-                next_seq_len = tl.load(seq_lens_ptr + next_b)
+                next_b = tl.load(active_req_ptr + 2 * (k + 1), mask=k + 1 < num_active, other=0)
+                next_seq_len = tl.load(active_req_ptr + 2 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
             else:
                 h = h + 1
         tile = c - seg_lo - SEGMENT_OVERHEAD

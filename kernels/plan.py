@@ -4,8 +4,10 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
 
 * ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
   reach), so the decode kernel can never index past a page-table row;
-* ``active_req [B] int32``  the non-empty requests in batch order (the decode kernel
-  walks this list, so it never steps over empty requests one by one);
+* ``active_req [B, 2] int32``  the non-empty requests in batch order, each as (batch
+  index, clamped length): the decode kernel walks this list, so it never steps over empty
+  requests one by one, and reads a request's index and length in two independent loads
+  (not a length load that waits for the index load);
 * ``cta_start [C, 4] int32``  where CTA c starts walking: the first request whose cost
   range ends after ``c * piece``, as (its index into ``active_req``, its batch index,
   its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
@@ -16,7 +18,7 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
 
 Worked example (Hkv = 1, BLOCK_N = 16, SEGMENT_OVERHEAD = 1, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [8, 0, 3], total 11, piece 3,
-cost starts [0, 8, 8]; active_req = [0, 2]; CTA starts at cost 0, 3, 6, 9
+cost starts [0, 8, 8]; active_req = [[0, 100], [2, 20]]; CTA starts at cost 0, 3, 6, 9
 -> cta_start = [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [1, 2, 20, 8]]
 (request 1 is empty and never visited).
 
@@ -81,7 +83,8 @@ def plan_stream_kernel(
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
         active = cost > 0
         rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
-        tl.store(active_req_ptr + rank, offs, mask=active & writer)
+        tl.store(active_req_ptr + 2 * rank, offs, mask=active & writer)
+        tl.store(active_req_ptr + 2 * rank + 1, seq_len, mask=active & writer)
         ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
         first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
         first_req += tl.sum(ended.to(tl.int32), 1)

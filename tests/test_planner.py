@@ -32,7 +32,9 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
     want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
-    np.testing.assert_array_equal(s.active_req[:len(want["active_req"])].cpu().numpy(), want["active_req"])
+    active = s.active_req[:len(want["active_req"])].cpu().numpy()
+    np.testing.assert_array_equal(active[:, 0], want["active_req"])
+    np.testing.assert_array_equal(active[:, 1], want["seq_lens"][want["active_req"]])
     np.testing.assert_array_equal(s.cta_start.cpu().numpy(), want["cta_start"])
     assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"]]
     return want, cfg
