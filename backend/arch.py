@@ -8,6 +8,10 @@ table runs on Hopper; the CPU lane tests both under the Triton interpreter).
 The persistent grid is not in the table: it is the SM count times the resident
 CTAs per SM that the compiled kernel's registers and shared memory allow, capped by
 ``max_ctas_per_sm`` (see ``evenkv.kernels.decode_launch.resident_ctas_per_sm``).
+
+``many_segments_config(arch, head_dim, page_size)`` is a second row, with its own grid,
+for batches of many short (request, KV head) segments (sm90, head_dim <= 128, page size
+>= 16); ``DecodeAttention.launch_config`` picks it by batch size.
 """
 
 import functools
@@ -104,6 +108,29 @@ _TABLES = {
 }
 
 
+# Batches of many short segments (run 9, benchmarks/results/2026-11-30-h200-run9/tune/ab-occupancy.log;
+# the per-CTA timelines there show that a CTA's walk time follows its iterations, not its
+# bytes): a short request's tile is mostly masked, so those batches are bound by the latency
+# of each CTA's iterations, and more resident CTAs help. Two stages compile to the same
+# one-tile-ahead pipeline in far fewer registers (88-96 without local memory in the tile
+# loop, against 128 at three stages), which fits 5 CTAs per SM in the same shared memory.
+# Qwen3-30B-A3B, page 16, same call: T = 256K B = 2048 Skewed40 170.3 -> 158.5 us, 2x40
+# 161.6 -> 158.0, Uniform 152.0 -> 155.4 (the worst distribution at B = 2048: 170.3 -> 158.5);
+# T = 32K B = 2048 Skewed40 75.2 -> 62.8; but B <= 512 up to 10 us slower, T = 1M B = 32
+# 12 us slower, and page 1 B = 2048 Skewed40 164 -> 170. So the row is used for page sizes
+# >= 16 and batches of at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA
+# of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the worst distribution
+# from 165.4 to 158.3 us (ab-many-1536.log), at B = 1024 (7.8) it cost 6.4 us at Uniform.
+_MANY_SEGMENTS = {
+    "sm90": {
+        "d128": DecodeConfig("sm90-d<=128-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=5,
+                             segment_overhead=0, max_registers=96, programmatic_launch=True),
+    },
+}
+MANY_SEGMENTS_PER_CTA = 10
+MANY_SEGMENTS_MIN_PAGE = 16
+
+
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -130,11 +157,26 @@ def resolve_arch(arch: str | None, device: torch.device) -> str:
     return _probe_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _head_dim_class(head_dim: int) -> str:
+    return "d64" if head_dim <= 64 else "d128" if head_dim <= 128 else "d256"
+
+
 def decode_config(arch: str, head_dim: int) -> DecodeConfig:
     """The decode config of ``arch`` for ``head_dim`` (<= 64, <= 128 or 256)."""
     if arch not in ARCHES:
         raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
-    return _TABLES[arch]["d64" if head_dim <= 64 else "d128" if head_dim <= 128 else "d256"]
+    return _TABLES[arch][_head_dim_class(head_dim)]
+
+
+def many_segments_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig | None:
+    """The balanced policy's config for batches of many short segments (at least
+    MANY_SEGMENTS_PER_CTA segments per CTA of ``decode_config``'s grid), or None where the
+    main row serves every batch (no measured gain: sm80, head_dim 64 and 256, page size < 16)."""
+    if arch not in ARCHES:
+        raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
+    if page_size < MANY_SEGMENTS_MIN_PAGE:
+        return None
+    return _MANY_SEGMENTS.get(arch, {}).get(_head_dim_class(head_dim))
 
 
 @functools.lru_cache(maxsize=None)

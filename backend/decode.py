@@ -11,6 +11,7 @@ when the lengths are already on the host (``seq_lens_cpu=``) or in debug mode
 to the page table on the GPU, so no kernel ever reads past a page-table row.
 """
 
+import dataclasses
 import math
 import os
 
@@ -18,7 +19,8 @@ import torch
 
 from evenkv.kernels import decode_launch as launch
 
-from .arch import DecodeConfig, decode_config, is_interpreter, num_sms, resolve_arch
+from .arch import MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, is_interpreter, many_segments_config, num_sms, \
+    resolve_arch
 from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits, check_positive_int,
                      check_tensor, output_like, resolve_device)
 from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
@@ -56,6 +58,9 @@ class DecodeAttention:
         arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
         num_ctas: persistent grid size; default SM count x resident CTAs per SM.
         config: a DecodeConfig replacing the arch table's (tuning and tests).
+            Unless ``config`` or ``num_ctas`` is given, the balanced policy plans batches of
+            many short segments with the table's second row and its own grid
+            (``evenkv.arch.many_segments_config``; ``launch_config`` says which).
         deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
             by its own length only and its pieces are merged in a fixed order, so its output
             is bitwise the same whatever else is in the batch. Allocates max_batch_size x 16
@@ -93,14 +98,17 @@ class DecodeAttention:
         self.debug = debug_enabled(debug)
         on_gpu = self.device.type == "cuda" and not is_interpreter()
         self.num_sms = num_sms(self.device.index) if on_gpu else INTERPRETER_SMS
-        # Programmatic dependent launch of the merge: the table asks for it, the GPU has it (sm90+).
-        self._use_pdl = self.config.programmatic_launch and on_gpu and \
-            torch.cuda.get_device_capability(self.device)[0] >= 9
+        # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
+        self._pdl_capable = on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
         self._plan: DecodePlan | None = None
         self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
-        if num_ctas is None:
-            num_ctas = self.num_sms * (self._resident_ctas_per_sm() if on_gpu else 2)
-        self.num_ctas = num_ctas
+        # Batches of many short segments: the table's second row and its grid (see launch_config).
+        many = None
+        if self._kind == "stream" and config is None and num_ctas is None:
+            many = many_segments_config(self.arch, head_dim, page_size)
+        self.num_ctas = num_ctas if num_ctas is not None else self._default_grid(self.config, on_gpu)
+        self._many = (many, self._default_grid(many, on_gpu)) if many is not None else None
+        self._max_ctas = max(self.num_ctas, self._many[1] if self._many else 0)
         self._schedule = self._allocate_schedule()
         slots = self._partial_slots()
         self._o_part = torch.empty(slots * self.group_size * head_dim, dtype=torch.float32, device=self.device)
@@ -113,9 +121,9 @@ class DecodeAttention:
         b = self.max_batch_size
         if self._kind == "stream":
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
-            self._merge_counters = torch.zeros(self.num_ctas, **i32)
-            return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self.num_ctas, 4, **i32), torch.zeros(4, **i32),
-                                  self.num_ctas)
+            self._merge_counters = torch.zeros(self._max_ctas, **i32)
+            return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self._max_ctas, 4, **i32),
+                                  torch.zeros(4, **i32), self.num_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
@@ -126,15 +134,32 @@ class DecodeAttention:
 
     def _partial_slots(self) -> int:
         """Partial (O, LSE) slots: two per CTA for the stream (its first and last segment
-        may be cut), one per (split, head) unit for the unit queue, none for direct."""
+        may be cut; for the larger of its grids), one per (split, head) unit for the unit
+        queue, none for direct."""
         if self._kind == "stream":
-            return 2 * self.num_ctas
+            return 2 * self._max_ctas
         if self._kind == "units":
             return self._schedule.unit_req.shape[0] * self.num_kv_heads
         return 0
 
-    def _resident_ctas_per_sm(self) -> int:
-        """Compile the policy's decode kernel on a one-token batch and read its occupancy."""
+    def _use_pdl(self, config: DecodeConfig) -> bool:
+        return config.programmatic_launch and self._pdl_capable
+
+    def launch_config(self, batch_size: int) -> tuple[DecodeConfig, int]:
+        """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests:
+        the balanced policy's many-segments row where it has one and the batch has at least
+        MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of the main grid, else
+        ``(self.config, self.num_ctas)``."""
+        if self._many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * self.num_ctas:
+            return self._many
+        return self.config, self.num_ctas
+
+    def _default_grid(self, config: DecodeConfig, on_gpu: bool) -> int:
+        """SMs x the resident CTAs per SM of ``config``'s decode kernel (2 per fake SM under the interpreter)."""
+        return self.num_sms * (self._resident_ctas_per_sm(config) if on_gpu else 2)
+
+    def _resident_ctas_per_sm(self, config: DecodeConfig) -> int:
+        """Compile the policy's decode kernel with ``config`` on a one-token batch and read its occupancy."""
         dev, hkv, d = self.device, self.num_kv_heads, self.head_dim
         q = torch.zeros(1, self.num_q_heads, d, dtype=self.dtype, device=dev)
         cache = torch.zeros(self.page_size, hkv, d, dtype=self.dtype, device=dev)
@@ -146,18 +171,18 @@ class DecodeAttention:
             active, cta_start = torch.zeros(1, 2, **i32), torch.zeros(1, 4, **i32)
             scalars = torch.zeros(4, **i32)
             launch.launch_plan_stream(seq_lens, seq_lens, active, cta_start, scalars, self.page_size, 1, 1,
-                                      hkv, self.config.block_n, self.config.segment_overhead)
+                                      hkv, config.block_n, config.segment_overhead)
             compiled = launch.launch_decode_stream(q, cache, cache, torch.empty_like(q), scratch, scratch,
                                                    torch.zeros(1, **i32), seq_lens, page_table, active,
-                                                   cta_start, scalars, 1.0, 1, self.page_size, self.config,
-                                                   self._use_pdl)
+                                                   cta_start, scalars, 1.0, 1, self.page_size, config,
+                                                   self._use_pdl(config))
         else:
             zeros = torch.zeros(1, **i32)
             compiled = launch.launch_decode_units(q, cache, cache, torch.empty_like(q), scratch, scratch, seq_lens,
                                                   page_table, zeros, zeros, seq_lens, seq_lens, seq_lens,
                                                   torch.zeros(2, **i32), 1.0, 1, self._kind == "units",
-                                                  self.page_size, self.config)
-        return min(launch.resident_ctas_per_sm(compiled, dev), self.config.max_ctas_per_sm)
+                                                  self.page_size, config)
+        return min(launch.resident_ctas_per_sm(compiled, dev), config.max_ctas_per_sm)
 
     # -- plan -------------------------------------------------------------------
 
@@ -182,12 +207,13 @@ class DecodeAttention:
         elif self.debug:
             self._check_lengths(seq_lens.cpu(), capacity)
         plan_seq_lens = self._plan_seq_lens[:batch]
+        config, ctas = self.launch_config(batch)
+        schedule = self._schedule
         if batch > 0 and self._kind == "stream":
-            s = self._schedule
-            launch.launch_plan_stream(seq_lens, plan_seq_lens, s.active_req, s.cta_start,
-                                      s.plan_scalars,
-                                      capacity, s.num_ctas, self.num_sms, self.num_kv_heads,
-                                      self.config.block_n, self.config.segment_overhead)
+            schedule = dataclasses.replace(schedule, num_ctas=ctas)
+            launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
+                                      schedule.plan_scalars, capacity, ctas, self.num_sms, self.num_kv_heads,
+                                      config.block_n, config.segment_overhead)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             if self.policy == "fa3":
@@ -196,7 +222,7 @@ class DecodeAttention:
             elif self._kind == "units":
                 plan_chunked_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
                                    num_kv_heads=self.num_kv_heads)
-        self._plan = DecodePlan(self.policy, batch, plan_seq_lens, page_table, self._schedule)
+        self._plan = DecodePlan(self.policy, batch, plan_seq_lens, page_table, schedule, config)
         return self._plan
 
     @staticmethod
@@ -239,12 +265,13 @@ class DecodeAttention:
         scale = self.sm_scale * LOG2E
         s = plan.schedule
         if self._kind == "stream":
+            pdl = self._use_pdl(plan.config)
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
                                         plan.seq_lens, plan.page_table, s.active_req,
                                         s.cta_start, s.plan_scalars, scale, s.num_ctas, self.page_size,
-                                        self.config, self._use_pdl)
+                                        plan.config, pdl)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, s.num_ctas,
-                                       hkv, self.config, self._use_pdl)
+                                       hkv, plan.config, pdl)
         elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,

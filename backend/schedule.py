@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import DecodeConfig
+
 # FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
 FA3_MAX_SPLITS = 128
@@ -44,9 +46,10 @@ DETERMINISTIC_MAX_SPLITS = 16
 
 @dataclass(frozen=True)
 class StreamSchedule:
-    """``balanced`` plan. active_req [B, 2] int32 (non-empty requests in order: batch index,
-    clamped length); cta_start [C, 4] int32 (the request CTA c starts in: its index into
-    active_req, batch index, length, cost start); plan_scalars [4] int32 (piece, total,
+    """``balanced`` plan over num_ctas CTAs. active_req [B, 2] int32 (non-empty requests in
+    order: batch index, clamped length); cta_start [>= num_ctas, 4] int32 (row c: the request
+    CTA c starts in: its index into active_req, batch index, length, cost start; the buffer
+    is sized for the larger of the backend's grids); plan_scalars [4] int32 (piece, total,
     active count, tiles of the longest request)."""
 
     active_req: torch.Tensor
@@ -79,6 +82,7 @@ class DecodePlan:
     seq_lens: [B] int32, the lengths clamped to [0, page_table capacity].
     page_table: [B, max_pages] int32, the caller's tensor (its address is used at run).
     schedule: StreamSchedule (balanced), UnitSchedule (fa3) or None (none).
+    config: the DecodeConfig ``run`` launches with (``DecodeAttention.launch_config``).
     """
 
     policy: str
@@ -86,6 +90,7 @@ class DecodePlan:
     seq_lens: torch.Tensor
     page_table: torch.Tensor
     schedule: StreamSchedule | UnitSchedule | None
+    config: DecodeConfig
 
 
 def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:

@@ -653,11 +653,13 @@ class Bench:
 
     def measure(self, runner, batch) -> dict:
         a, timer = self.args, self.timer
-        row = {"config": runner.config, "config_detail": getattr(runner, "config_repr", "")}
+
+        def row(**fields):  # read after prepare: a runner's config may depend on the batch
+            return {"config": runner.config, "config_detail": getattr(runner, "config_repr", ""), **fields}
         try:
             run_once(runner, batch)
             if not bool(torch.isfinite(batch.out).all()):
-                return {**row, "status": "wrong", "detail": "non-finite output (NaN-filled output not written?)"}
+                return row(status="wrong", detail="non-finite output (NaN-filled output not written?)")
             t0 = time.perf_counter()
             runner.run()
             host_us = (time.perf_counter() - t0) * 1e6
@@ -675,17 +677,16 @@ class Bench:
                 plan_host = f"{host_plan_us:.2f}"
             detail = runner.describe()
         except Exception as e:  # noqa: BLE001
-            return {**row, "status": "error", "detail": self.handle_error(e)}
+            return row(status="error", detail=self.handle_error(e))
         med = statistics.median(times)
         kvp = batch.k_pages
         kv_bytes = batch.total_tokens * kvp.shape[2] * kvp.shape[3] * 2 * kvp.element_size()  # K and V
         gbps = kv_bytes / (med * 1e-6) / 1e9
-        row.update(status="ok", detail=detail if detail != runner.config else "", us_med=f"{med:.2f}",
+        return row(status="ok", detail=detail if detail != runner.config else "", us_med=f"{med:.2f}",
                    us_p20=f"{quantile(times, 0.2):.2f}", us_p80=f"{quantile(times, 0.8):.2f}",
                    us_min=f"{times[0]:.2f}", n_rep=len(times), plan_dev_us=plan_dev, plan_host_us=plan_host,
                    launch_host_us=f"{host_us:.1f}", gbps=f"{gbps:.1f}",
                    frac_copy=f"{gbps / (self.copy_tbps * 1000):.4f}")
-        return row
 
     # -- whole run ---------------------------------------------------------------
     def run(self, impls) -> str:

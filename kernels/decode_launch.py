@@ -17,11 +17,13 @@ from .plan import plan_stream_kernel
 # PLAN_COMPARE_TILE elements, and about one program per SM answers them all (the tile's
 # reductions are the plan's cost: at B = 2048 and C = 528, 33 programs of 16 CTAs took
 # 12.2 us, 132 programs of 4 CTAs 8.0 us; run 6, plan-time-old-grid.log and plan-time.log
-# in benchmarks/results/2026-11-30-h200-run6/). Each chunk is a dependent step
-# (load, cumsum, carry), so one chunk per pass keeps the whole plan at two load latencies
-# up to B = 2048.
+# in benchmarks/results/2026-11-30-h200-run6/). With the many-segments grid (C = 660 at
+# B = 2048) a 16384-element tile keeps one program per SM (83 of 8 CTAs): 9.06 us against
+# 10.10 with 8192 (165 programs of 4; run 9, tune/plan-time-2.log). Each chunk is a
+# dependent step (load, cumsum, carry), so one chunk per pass keeps the whole plan at two
+# load latencies up to B = 2048.
 PLAN_MAX_BLOCK_B = 2048
-PLAN_COMPARE_TILE = 8192
+PLAN_COMPARE_TILE = 16384
 # A merge step's tile: [BLOCK_P partials, query rows, head-dim columns] of MERGE_TILE
 # elements, 32 fp32 per thread at 4 warps. merge_stream_kernel runs one program per CTA
 # boundary (one wave) and splits a segment of many pieces into items of one row and

@@ -256,8 +256,23 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
     there, shows the check can fail); sm80 fits 2 CTAs/SM in an A100's 164 KiB without
     spills."""
     from evenkv.arch import decode_config
+    _check_row_compiles(decode_config(arch, head_dim), cap, head_dim, num_kv_heads, group)
+
+
+def test_many_segments_row_compiles():
+    """The sm90 many-segments row (head_dim 128, page size >= 16) meets the same checks: its
+    5 CTAs per SM fit the 96-register cap and its shared memory, with no local memory in the
+    tile loop; there is no such row for sm80, the other head-dim classes or page size 1."""
+    from evenkv.arch import many_segments_config
+    cfg = many_segments_config("sm90", 128, 16)
+    assert cfg is not None and cfg.max_ctas_per_sm == 5
+    _check_row_compiles(cfg, 90, 128, 4, 8)
+    assert many_segments_config("sm90", 128, 1) is None and many_segments_config("sm80", 128, 16) is None
+    assert many_segments_config("sm90", 64, 16) is None and many_segments_config("sm90", 256, 16) is None
+
+
+def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
     from evenkv.kernels.decode_launch import merge_stream_constants, merge_units_constants, stream_constants
-    cfg = decode_config(arch, head_dim)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
@@ -286,3 +301,28 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"
+
+
+def test_many_segments_config_by_batch(device):
+    """The balanced policy plans a batch of >= MANY_SEGMENTS_PER_CTA (request, KV head)
+    segments per CTA of its main grid with the many-segments row, a smaller one with the
+    main row, and each plan runs with its own config; a fixed grid or config turns the
+    choice off, as does page size 1."""
+    from evenkv.arch import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
+    hq, hkv, d = 8, 2, 128
+    main, many = decode_config("sm90", d), many_segments_config("sm90", d, 16)
+    gen = torch.Generator().manual_seed(3)
+    attn = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, 64, 8, arch="sm90")
+    threshold = -(-MANY_SEGMENTS_PER_CTA * attn.num_ctas // hkv)
+    for batch in (threshold - 1, threshold, 3):
+        lens = torch.randint(1, 100, (batch,), generator=gen).tolist()
+        lens[0] = 0
+        q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, 16, torch.float16, device, seed=batch)
+        plan = attn.plan(seq_lens, pt)
+        assert plan.config == (many if batch >= threshold else main)
+        out = attn.run(q, kc, vc)
+        assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)
+        assert torch.all(out[0] == 0)
+    for kwargs, page in ((dict(num_ctas=attn.num_ctas), 16), (dict(config=main), 16), ({}, 1)):
+        other = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, 64, 8, arch="sm90", **kwargs)
+        assert other.launch_config(threshold) == (main, other.num_ctas)

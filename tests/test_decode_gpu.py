@@ -77,6 +77,24 @@ def test_realistic_shapes(policy, arch, page_size):
         check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
 
 
+def test_many_segments_grid_switch():
+    """One DecodeAttention (sm90 table, page 16) plans B = 2048 with the many-segments row
+    and its larger grid, B = 64 with the main row, then B = 2048 again: each run matches the
+    reference (the workspaces hold the larger grid) and leaves the merge counters at 0."""
+    gen = torch.Generator().manual_seed(5)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, "cuda", 2048, 262144 // 16 + 2, arch="sm90")
+    many, _ = attn.launch_config(2048)
+    assert many.name.endswith("-many") and attn.launch_config(64) == (attn.config, attn.num_ctas)
+    for batch, share in ((2048, 0.4), (64, 0.8), (2048, 0.0)):
+        lens = skewed_lens(262144, batch, share, gen)
+        q, k, v, seq_lens, pt = build(lens, 16, seed=batch)
+        plan = attn.plan(seq_lens, pt)
+        assert plan.config == (many if batch == 2048 else attn.config)
+        out = attn.run(q, k, v)
+        check_sample(out, q, k, v, seq_lens, pt, 16, [0, 1, batch // 2, batch - 1])
+        assert int(attn._merge_counters.abs().sum()) == 0
+
+
 def capture_plan_run(attn, q, k, v, seq_lens, pt, out):
     """Warm up (compile) outside the capture, then capture plan + run into one CUDA graph
     that reads seq_lens/pt/q and writes out in place."""

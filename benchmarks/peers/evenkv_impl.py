@@ -69,11 +69,15 @@ class EvenkvRunner(Runner):
         self.attn = evenkv.DecodeAttention(s.num_q_heads, s.num_kv_heads, s.head_dim, ctx.page_size, ctx.dtype,
                                            ctx.device, ctx.max_batch, ctx.max_pages, policy,
                                            sm_scale=ctx.sm_scale, **kwargs)
-        a = self.attn
-        self.config = f"{a.arch}:{a.config.name} ctas={a.num_ctas}"
-        self.config_repr = repr(a.config)
+        self._describe(self.attn.config, self.attn.num_ctas)
+
+    def _describe(self, config, num_ctas):
+        self.config = f"{self.attn.arch}:{config.name} ctas={num_ctas}"
+        self.config_repr = repr(config)
 
     def prepare(self, batch):
+        # The balanced policy picks its config by batch size (DecodeAttention.launch_config).
+        self._describe(*self.attn.launch_config(batch.q.shape[0]))
         self.batch = batch
         self.k, self.v = batch.k_slots, batch.v_slots
 
