@@ -312,8 +312,10 @@ def test_many_segments_config_by_batch(device):
     hq, hkv, d = 8, 2, 128
     main, many = decode_config("sm90", d), many_segments_config("sm90", d, 16)
     gen = torch.Generator().manual_seed(3)
-    attn = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, 64, 8, arch="sm90")
-    threshold = -(-MANY_SEGMENTS_PER_CTA * attn.num_ctas // hkv)
+    # The main grid (so the threshold) depends on the device: size the batch limit from it.
+    main_ctas = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, 1, 8, arch="sm90").num_ctas
+    threshold = -(-MANY_SEGMENTS_PER_CTA * main_ctas // hkv)
+    attn = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, threshold, 8, arch="sm90")
     for batch in (threshold - 1, threshold, 3):
         lens = torch.randint(1, 100, (batch,), generator=gen).tolist()
         lens[0] = 0
@@ -324,5 +326,5 @@ def test_many_segments_config_by_batch(device):
         assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)
         assert torch.all(out[0] == 0)
     for kwargs, page in ((dict(num_ctas=attn.num_ctas), 16), (dict(config=main), 16), ({}, 1)):
-        other = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, 64, 8, arch="sm90", **kwargs)
+        other = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, threshold, 8, arch="sm90", **kwargs)
         assert other.launch_config(threshold) == (main, other.num_ctas)
