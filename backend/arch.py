@@ -118,8 +118,8 @@ _TABLES = {
 # 161.6 -> 158.0, Uniform 152.0 -> 155.4 (the worst distribution at B = 2048: 170.3 -> 158.5);
 # T = 32K B = 2048 Skewed40 75.2 -> 62.8; but B <= 512 up to 10 us slower, T = 1M B = 32
 # 12 us slower, and page 1 B = 2048 Skewed40 164 -> 170. So the row is used for page sizes
-# >= 16 (measured at 16 only) and batches of at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA
-# of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the worst distribution
+# >= 16 (measured at 16 only) and batches of at least MANY_SEGMENTS_PER_CTA (request, KV
+# head) segments per CTA of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the worst distribution
 # from 165.4 to 158.3 us (ab-many-1536.log), at B = 1024 (7.8) it cost 6.4 us at Uniform.
 _MANY_SEGMENTS = {
     "sm90": {

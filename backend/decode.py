@@ -110,6 +110,10 @@ class DecodeAttention:
         self._many = (many, self._default_grid(many, on_gpu)) if many is not None else None
         self._max_ctas = max(self.num_ctas, self._many[1] if self._many else 0)
         self._schedule = self._allocate_schedule()
+        # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
+        grids = (self.num_ctas,) + ((self._many[1],) if self._many else ())
+        self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
+                                for c in grids} if self._kind == "stream" else {}
         slots = self._partial_slots()
         self._o_part = torch.empty(slots * self.group_size * head_dim, dtype=torch.float32, device=self.device)
         self._lse_part = torch.empty(slots * self.group_size, dtype=torch.float32, device=self.device)
@@ -210,7 +214,7 @@ class DecodeAttention:
         config, ctas = self.launch_config(batch)
         schedule = self._schedule
         if batch > 0 and self._kind == "stream":
-            schedule = dataclasses.replace(schedule, num_ctas=ctas)
+            schedule = self._grid_schedules[ctas]
             launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
                                       schedule.plan_scalars, capacity, ctas, self.num_sms, self.num_kv_heads,
                                       config.block_n, config.segment_overhead)
