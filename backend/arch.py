@@ -1,6 +1,6 @@
 """Per-architecture decode configurations, chosen by one cached probe.
 
-``decode_config(arch, head_dim)`` returns a frozen :class:`DecodeConfig`. The arch is
+``decode_config(arch, head_dim, page_size)`` returns a frozen :class:`DecodeConfig`. The arch is
 ``"sm80"`` (A100-class: SM80/86/89) or ``"sm90"`` (Hopper); ``EVENKV_ARCH=sm80|sm90``
 or an explicit ``arch=`` overrides the probe, so both tables run anywhere (an SM80
 table runs on Hopper; the CPU lane tests both under the Triton interpreter).
@@ -10,8 +10,9 @@ CTAs per SM that the compiled kernel's registers and shared memory allow, capped
 ``max_ctas_per_sm`` (see ``evenkv.kernels.decode_launch.resident_ctas_per_sm``).
 
 ``many_segments_config(arch, head_dim, page_size)`` is a second row, with its own grid,
-for batches of many short (request, KV head) segments (sm90, head_dim <= 128, page size
->= 16); ``DecodeAttention.launch_config`` picks it by batch size.
+for batches of many short (request, KV head) segments (sm90: head_dim 64 at every page
+size, head_dim 128 at page size >= 16); ``DecodeAttention.launch_config`` picks it by
+batch size.
 """
 
 import functools
@@ -121,14 +122,40 @@ _TABLES = {
 # >= 16 (measured at 16 only) and batches of at least MANY_SEGMENTS_PER_CTA (request, KV
 # head) segments per CTA of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the worst distribution
 # from 165.4 to 158.3 us (ab-many-1536.log), at B = 1024 (7.8) it cost 6.4 us at Uniform.
+# Head dim 64 (run 10, benchmarks/results/2026-11-30-h200-run10/tune/ab-d64.log, ab2-d64.log;
+# Llama-3.2-1B, 32/8/64): block_n 64 at 2 stages fits 64 registers with no local memory, so
+# 8 CTAs per SM (grid 1056; the main row's block_n 128 spills below 96). T = 256K page 16,
+# B = 2048: 2x40 194.5 -> 171.2 us, Skewed80 194.5 -> 166.9, Skewed40 172.5 -> 169.8, Uniform
+# 161.9 -> 159.6; B = 1024 Skewed80 167.1 -> 158.9, Uniform 157.2 -> 154.3; T = 32K B = 2048
+# Skewed80 118.4 -> 77.6; page 1 B = 2048 Skewed80 190.7 -> 176.2. But B = 64 Uniform 140.5 ->
+# 146.2, T = 1M B = 64 Skewed40 522.9 -> 529.1, page 1 B = 16 Skewed40 151.3 -> 156.7: so a
+# many-segments row (B >= 660 at 8 KV heads), at every page size.
+# Each row with the smallest page size it serves.
 _MANY_SEGMENTS = {
     "sm90": {
-        "d128": DecodeConfig("sm90-d<=128-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=5,
-                             segment_overhead=0, max_registers=96, programmatic_launch=True),
+        "d64": (1, DecodeConfig("sm90-d64-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=8,
+                                segment_overhead=0, max_registers=64, programmatic_launch=True)),
+        "d128": (16, DecodeConfig("sm90-d<=128-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=5,
+                                  segment_overhead=0, max_registers=96, programmatic_launch=True)),
     },
 }
 MANY_SEGMENTS_PER_CTA = 10
-MANY_SEGMENTS_MIN_PAGE = 16
+
+# Page sizes >= 16, head dim 256 (run 10, tune/ab-d256-*.log, ab2-d256-*.log): 2 stages fit
+# 128 registers with no local memory, 4 CTAs per SM (exactly the shared memory) against the
+# main row's 3. Gemma-3-12B (16/8/256) faster at all 21 page-16 points (T = 256K B = 1
+# 509.8 -> 499.6 us, B = 2048 Skewed40 566.7 -> 547.3, T = 1M B = 2048 Skewed80 2021 -> 1971);
+# Qwen3-Next (16/2/256) faster at 14 of 21 (B = 256 Uniform 149.9 -> 140.3), within 0.6 us
+# at 4, 1.2-3.3 us slower at 3 skewed points of B >= 1024 (2x40 158.6 -> 161.8). At page 1
+# (32 page-table entries per tile; not profiled) it is slower: Gemma B = 16 Skewed40
+# 514.9 -> 540.6, Qwen3-Next 145.1 -> 152.3. So the row serves page sizes >= 16.
+_PAGED = {
+    "sm90": {
+        "d256": DecodeConfig("sm90-d256-paged", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=4,
+                             segment_overhead=0, max_registers=128, programmatic_launch=True),
+    },
+}
+PAGED_MIN_PAGE = 16
 
 
 def is_interpreter() -> bool:
@@ -161,22 +188,25 @@ def _head_dim_class(head_dim: int) -> str:
     return "d64" if head_dim <= 64 else "d128" if head_dim <= 128 else "d256"
 
 
-def decode_config(arch: str, head_dim: int) -> DecodeConfig:
-    """The decode config of ``arch`` for ``head_dim`` (<= 64, <= 128 or 256)."""
+def decode_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` (<= 64, <= 128 or 256) and ``page_size``."""
     if arch not in ARCHES:
         raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
-    return _TABLES[arch][_head_dim_class(head_dim)]
+    head_dim_class = _head_dim_class(head_dim)
+    if page_size >= PAGED_MIN_PAGE and head_dim_class in _PAGED.get(arch, {}):
+        return _PAGED[arch][head_dim_class]
+    return _TABLES[arch][head_dim_class]
 
 
 def many_segments_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig | None:
     """The balanced policy's config for batches of many short segments (at least
     MANY_SEGMENTS_PER_CTA segments per CTA of ``decode_config``'s grid), or None where the
-    main row serves every batch (no measured gain: sm80, head_dim 64 and 256, page size < 16)."""
+    main row serves every batch (no measured gain: sm80, head_dim 256, head_dim 128 at page
+    size < 16)."""
     if arch not in ARCHES:
         raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
-    if page_size < MANY_SEGMENTS_MIN_PAGE:
-        return None
-    return _MANY_SEGMENTS.get(arch, {}).get(_head_dim_class(head_dim))
+    min_page, config = _MANY_SEGMENTS.get(arch, {}).get(_head_dim_class(head_dim), (None, None))
+    return config if config is not None and page_size >= min_page else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -94,7 +94,7 @@ class DecodeAttention:
         self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.arch = resolve_arch(arch, self.device)
-        self.config = config if config is not None else decode_config(self.arch, head_dim)
+        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size)
         self.debug = debug_enabled(debug)
         on_gpu = self.device.type == "cuda" and not is_interpreter()
         self.num_sms = num_sms(self.device.index) if on_gpu else INTERPRETER_SMS

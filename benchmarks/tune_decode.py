@@ -101,7 +101,7 @@ def main():
         # Every row at every point (each config is passed explicitly, so the many-segments
         # row runs at all batch sizes, not only where DecodeAttention would pick it).
         many = [many_segments_config(a, d, page) for a in ("sm80", "sm90")]
-        configs = [evenkv.decode_config(a, d) for a in ("sm80", "sm90")] + [c for c in many if c is not None]
+        configs = [evenkv.decode_config(a, d, page) for a in ("sm80", "sm90")] + [c for c in many if c is not None]
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}-o{o}")
                    for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (0,))]

@@ -5,7 +5,9 @@
 all (default): decode for each policy (balanced, fa3, none, balanced + deterministic) on
 page sizes 16 and 1, with the merge kernels (small and default CTA counts so requests
 are cut), write_kv (int32 and int64 slot mappings with skipped -1 slots), extend (both
-KV layouts) and a MixedAttention batch. persistent: only the persistent decode kernels
+KV layouts) and a MixedAttention batch; the balanced policy with each sm90 table row
+that tiny batches do not pick (the many-segments rows of head_dim 64 and 128, head_dim
+256 at page 16) passed explicitly. persistent: only the persistent decode kernels
 (balanced stream, fa3 and deterministic unit queues), for racecheck.
 
 Every batch has seq_len-0 rows, partly filled last pages, page-table tails holding an
@@ -77,6 +79,31 @@ def decode_cases(variants, head_dims=(128, 64), page_sizes=(16, 1)):
                     assert_close_to_reference(out.cpu(), *host, ps)
                     print(f"CASE ok decode policy={policy} det={det} d={d} page={ps} ctas={num_ctas}", flush=True)
                     count += 1
+    return count
+
+
+def sm90_row_cases():
+    """The balanced policy with the sm90 rows that batches this small do not pick
+    (config passed explicitly; decode_cases runs the main rows), on the default grid and on 3 CTAs."""
+    from evenkv.arch import decode_config, many_segments_config
+    rows = [(64, 1, many_segments_config("sm90", 64, 1)), (128, 16, many_segments_config("sm90", 128, 16)),
+            (256, 16, decode_config("sm90", 256, 16))]
+    count = 0
+    for d, ps, config in rows:
+        q, k, v, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, d, ps, DTYPE, DEV, seed=d + ps + 1)
+        kp, vp = poison_unused(k, v, seq_lens, pt, ps)
+        host = [t.cpu() for t in (q, k, v, seq_lens, pt)]
+        for num_ctas in (3, None):
+            attn = evenkv.DecodeAttention(HQ, HKV, d, ps, DTYPE, DEV, len(LENS), pt.shape[1], "balanced",
+                                          config=config, num_ctas=num_ctas, arch="sm90")
+            attn.plan(seq_lens, pt)
+            out = attn.run(q, kp, vp)
+            sync()
+            assert torch.isfinite(out).all(), (config.name, num_ctas)
+            assert torch.all(out[seq_lens == 0] == 0)
+            assert_close_to_reference(out.cpu(), *host, ps)
+            print(f"CASE ok decode row={config.name} d={d} page={ps} ctas={num_ctas}", flush=True)
+            count += 1
     return count
 
 
@@ -170,7 +197,7 @@ def main(which: str) -> None:
     if which == "persistent":
         n = decode_cases(PERSISTENT, head_dims=(128,), page_sizes=(16,))
     elif which == "all":
-        n = decode_cases(VARIANTS) + write_kv_cases() + extend_cases() + mixed_case()
+        n = decode_cases(VARIANTS) + sm90_row_cases() + write_kv_cases() + extend_cases() + mixed_case()
     else:
         sys.exit(f"usage: sanitizer_cases.py [all|persistent], got {which!r}")
     print(f"CASES OK {n}", flush=True)

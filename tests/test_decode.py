@@ -254,21 +254,28 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
     more, 2-3 CTAs/SM): the few registers that spills must stay out of the tile loop (SASS: no
     LDL/STL in the innermost loop with an MMA; an 80-register build, which does spill
     there, shows the check can fail); sm80 fits 2 CTAs/SM in an A100's 164 KiB without
-    spills."""
+    spills. sm90 head_dim 256 has a second row for page sizes >= 16 (2 stages, 128
+    registers, 4 CTAs/SM), checked the same way."""
     from evenkv.arch import decode_config
-    _check_row_compiles(decode_config(arch, head_dim), cap, head_dim, num_kv_heads, group)
+    rows = {decode_config(arch, head_dim, page) for page in (1, 16)}
+    assert len(rows) == (2 if (arch, head_dim) == ("sm90", 256) else 1)
+    for cfg in rows:
+        _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group)
 
 
-def test_many_segments_row_compiles():
-    """The sm90 many-segments row (head_dim 128, page size >= 16) meets the same checks: its
-    5 CTAs per SM fit the 96-register cap and its shared memory, with no local memory in the
-    tile loop; there is no such row for sm80, the other head-dim classes or page size 1."""
+@pytest.mark.parametrize("head_dim,num_kv_heads,group,ctas,min_page", [(64, 8, 4, 8, 1), (128, 4, 8, 5, 16)],
+                         ids=["d64", "d128"])
+def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_page):
+    """The sm90 many-segments rows (head_dim 64 at every page size: 8 CTAs per SM at 64
+    registers; head_dim 128 at page size >= 16: 5 at 96) meet the same checks: their CTAs
+    fit the register cap and the shared memory, with no local memory in the tile loop.
+    There is no such row for sm80, head_dim 256, or head_dim 128 at page size 1."""
     from evenkv.arch import many_segments_config
-    cfg = many_segments_config("sm90", 128, 16)
-    assert cfg is not None and cfg.max_ctas_per_sm == 5
-    _check_row_compiles(cfg, 90, 128, 4, 8)
-    assert many_segments_config("sm90", 128, 1) is None and many_segments_config("sm80", 128, 16) is None
-    assert many_segments_config("sm90", 64, 16) is None and many_segments_config("sm90", 256, 16) is None
+    cfg = many_segments_config("sm90", head_dim, 16)
+    assert cfg is not None and cfg.max_ctas_per_sm == ctas
+    assert many_segments_config("sm90", head_dim, 1) == (cfg if min_page == 1 else None)
+    assert many_segments_config("sm80", head_dim, 16) is None and many_segments_config("sm90", 256, 16) is None
+    _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group)
 
 
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
@@ -303,28 +310,34 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
         assert r["stack"] == 0, f"{name}: {r}"
 
 
-def test_many_segments_config_by_batch(device):
+@pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 1)], ids=["d128-p16", "d64-p1"])
+def test_many_segments_config_by_batch(device, head_dim, page_size):
     """The balanced policy plans a batch of >= MANY_SEGMENTS_PER_CTA (request, KV head)
     segments per CTA of its main grid with the many-segments row, a smaller one with the
     main row, and each plan runs with its own config; a fixed grid or config turns the
-    choice off, as does page size 1."""
+    choice off, as does page size 1 at head_dim 128 (head_dim 64's row serves page 1)."""
     from evenkv.arch import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
-    hq, hkv, d = 8, 2, 128
-    main, many = decode_config("sm90", d), many_segments_config("sm90", d, 16)
+    hq, hkv, d, page = 8, 2, head_dim, page_size
+    main, many = decode_config("sm90", d, page), many_segments_config("sm90", d, page)
     gen = torch.Generator().manual_seed(3)
+    max_pages = -(-100 // page) + 1  # lengths < 100, plus make_paged_batch's spare column
     # The main grid (so the threshold) depends on the device: size the batch limit from it.
-    main_ctas = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, 1, 8, arch="sm90").num_ctas
+    main_ctas = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, 1, max_pages, arch="sm90").num_ctas
     threshold = -(-MANY_SEGMENTS_PER_CTA * main_ctas // hkv)
-    attn = evenkv.DecodeAttention(hq, hkv, d, 16, torch.float16, device, threshold, 8, arch="sm90")
+    attn = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, threshold, max_pages, arch="sm90")
     for batch in (threshold - 1, threshold, 3):
         lens = torch.randint(1, 100, (batch,), generator=gen).tolist()
         lens[0] = 0
-        q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, 16, torch.float16, device, seed=batch)
+        q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, page, torch.float16, device, seed=batch)
         plan = attn.plan(seq_lens, pt)
         assert plan.config == (many if batch >= threshold else main)
         out = attn.run(q, kc, vc)
-        assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)
+        assert_close_to_reference(out, q, kc, vc, seq_lens, pt, page)
         assert torch.all(out[0] == 0)
-    for kwargs, page in ((dict(num_ctas=attn.num_ctas), 16), (dict(config=main), 16), ({}, 1)):
-        other = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, threshold, 8, arch="sm90", **kwargs)
+    others = [(dict(num_ctas=attn.num_ctas), page), (dict(config=main), page)]
+    if d == 128:
+        others.append(({}, 1))
+    for kwargs, other_page in others:
+        other = evenkv.DecodeAttention(hq, hkv, d, other_page, torch.float16, device, threshold, max_pages,
+                                       arch="sm90", **kwargs)
         assert other.launch_config(threshold) == (main, other.num_ctas)

@@ -29,7 +29,7 @@ def skewed_lens(total, batch, share, gen):
     return [lens[0]] + [lens[1 + p] for p in perm]
 
 
-def build(lens, page_size, dtype=torch.bfloat16, seed=0):
+def build(lens, page_size, dtype=torch.bfloat16, seed=0, hq=HQ, hkv=HKV, d=D):
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
     pages = [(n + page_size - 1) // page_size for n in lens]
@@ -41,9 +41,9 @@ def build(lens, page_size, dtype=torch.bfloat16, seed=0):
     for b, n in enumerate(pages):
         page_table[b, :n] = perm[off:off + n]
         off += n
-    k = torch.randn(num_pages * page_size, HKV, D, device=dev, dtype=dtype)
-    v = torch.randn(num_pages * page_size, HKV, D, device=dev, dtype=dtype)
-    q = torch.randn(len(lens), HQ, D, device=dev, dtype=dtype)
+    k = torch.randn(num_pages * page_size, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(num_pages * page_size, hkv, d, device=dev, dtype=dtype)
+    q = torch.randn(len(lens), hq, d, device=dev, dtype=dtype)
     return q, k, v, torch.tensor(lens, dtype=torch.int32, device=dev), page_table
 
 
@@ -77,21 +77,25 @@ def test_realistic_shapes(policy, arch, page_size):
         check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
 
 
-def test_many_segments_grid_switch():
-    """One DecodeAttention (sm90 table, page 16) plans B = 2048 with the many-segments row
-    and its larger grid, B = 64 with the main row, then B = 2048 again: each run matches the
-    reference (the workspaces hold the larger grid) and leaves the merge counters at 0."""
+@pytest.mark.parametrize("shape,page_size", [((HQ, HKV, D), 16), ((32, 8, 64), 1)], ids=["d128-p16", "d64-p1"])
+def test_many_segments_grid_switch(shape, page_size):
+    """One DecodeAttention (sm90 table) plans B = 2048 with the many-segments row and its
+    larger grid, B = 64 with the main row, then B = 2048 again: each run matches the
+    reference (the workspaces hold the larger grid) and leaves the merge counters at 0.
+    Qwen3-30B-A3B at page 16; Llama-3.2-1B (head_dim 64, whose row serves every page size) at page 1."""
+    hq, hkv, d = shape
     gen = torch.Generator().manual_seed(5)
-    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, "cuda", 2048, 262144 // 16 + 2, arch="sm90")
+    attn = evenkv.DecodeAttention(hq, hkv, d, page_size, torch.bfloat16, "cuda", 2048, 262144 // page_size + 2,
+                                  arch="sm90")
     many, _ = attn.launch_config(2048)
     assert many.name.endswith("-many") and attn.launch_config(64) == (attn.config, attn.num_ctas)
     for batch, share in ((2048, 0.4), (64, 0.8), (2048, 0.0)):
         lens = skewed_lens(262144, batch, share, gen)
-        q, k, v, seq_lens, pt = build(lens, 16, seed=batch)
+        q, k, v, seq_lens, pt = build(lens, page_size, seed=batch, hq=hq, hkv=hkv, d=d)
         plan = attn.plan(seq_lens, pt)
         assert plan.config == (many if batch == 2048 else attn.config)
         out = attn.run(q, k, v)
-        check_sample(out, q, k, v, seq_lens, pt, 16, [0, 1, batch // 2, batch - 1])
+        check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
         assert int(attn._merge_counters.abs().sum()) == 0
 
 

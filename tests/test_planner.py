@@ -11,7 +11,7 @@ from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, merge_stream_consta
 from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
                             stream_merge_shares, stream_plan)
 
-BLOCK_N = evenkv.decode_config("sm90", 128).block_n
+BLOCK_N = evenkv.decode_config("sm90", 128, 16).block_n
 # (G, head_dim) of merge_stream_kernel's share checks: an all-rows step of 4 or 8 pieces,
 # partly masked rows and columns (7, 80), G = 1 with one column chunk per row, and more
 # (row, column chunk) items than a segment of 33-64 pieces has programs (16, 128).
