@@ -119,9 +119,11 @@ _TABLES = {
 # 161.6 -> 158.0, Uniform 152.0 -> 155.4 (the worst distribution at B = 2048: 170.3 -> 158.5);
 # T = 32K B = 2048 Skewed40 75.2 -> 62.8; but B <= 512 up to 10 us slower, T = 1M B = 32
 # 12 us slower, and page 1 B = 2048 Skewed40 164 -> 170. So the row is used for page sizes
-# >= 16 (measured at 16 only) and batches of at least MANY_SEGMENTS_PER_CTA (request, KV
-# head) segments per CTA of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the worst distribution
-# from 165.4 to 158.3 us (ab-many-1536.log), at B = 1024 (7.8) it cost 6.4 us at Uniform.
+# >= 16 (at 32 and 64 as at 16: B = 2048 Skewed40 171 -> 161 us, Uniform 155 -> 157; run 10,
+# tune/ab-pages-d128.log) and batches of at least MANY_SEGMENTS_PER_CTA (request, KV head)
+# segments per CTA of the main row's grid: at B = 1536 (11.6 per CTA at Hkv 4) it took the
+# worst distribution from 165.4 to 158.3 us (ab-many-1536.log), at B = 1024 (7.8) it cost
+# 6.4 us at Uniform.
 # Head dim 64 (run 10, benchmarks/results/2026-11-30-h200-run10/tune/ab-d64.log, ab2-d64.log;
 # Llama-3.2-1B, 32/8/64): block_n 64 at 2 stages fits 64 registers with no local memory, so
 # 8 CTAs per SM (grid 1056; the main row's block_n 128 spills below 96). T = 256K page 16,
@@ -129,7 +131,8 @@ _TABLES = {
 # 161.9 -> 159.6; B = 1024 Skewed80 167.1 -> 158.9, Uniform 157.2 -> 154.3; T = 32K B = 2048
 # Skewed80 118.4 -> 77.6; page 1 B = 2048 Skewed80 190.7 -> 176.2. But B = 64 Uniform 140.5 ->
 # 146.2, T = 1M B = 64 Skewed40 522.9 -> 529.1, page 1 B = 16 Skewed40 151.3 -> 156.7: so a
-# many-segments row (B >= 660 at 8 KV heads), at every page size.
+# many-segments row (B >= 660 at 8 KV heads), at every page size (pages 32 and 64: 2-8 us faster
+# at B >= 1024, tune/ab-pages-d64.log).
 # Each row with the smallest page size it serves.
 _MANY_SEGMENTS = {
     "sm90": {
@@ -148,7 +151,9 @@ MANY_SEGMENTS_PER_CTA = 10
 # Qwen3-Next (16/2/256) faster at 14 of 21 (B = 256 Uniform 149.9 -> 140.3), within 0.6 us
 # at 4, 1.2-3.3 us slower at 3 skewed points of B >= 1024 (2x40 158.6 -> 161.8). At page 1
 # (32 page-table entries per tile; not profiled) it is slower: Gemma B = 16 Skewed40
-# 514.9 -> 540.6, Qwen3-Next 145.1 -> 152.3. So the row serves page sizes >= 16.
+# 514.9 -> 540.6, Qwen3-Next 145.1 -> 152.3. So the row serves page sizes >= 16 (at 32 and 64,
+# tune/ab-pages-d256-*.log: Gemma-3 4.5-23.5 us faster at 6 of 6 points; Qwen3-Next B = 256
+# Uniform 151.5 -> 141.5, B = 2048 Skewed40 166.9 -> 164.6, the other 4 within 1.1 us).
 _PAGED = {
     "sm90": {
         "d256": DecodeConfig("sm90-d256-paged", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=4,

@@ -10,7 +10,7 @@ from evenkv.arch import many_segments_config
 dev = torch.device("cuda")
 shape = SHAPES[sys.argv[1]]
 Hq, Hkv, D = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
-base = evenkv.decode_config("sm90", D)
+base = evenkv.decode_config("sm90", D, 1)  # the page-1 row: what the table held for every page size before run 10
 VARIANTS = {}
 for spec in sys.argv[2].split(","):
     if spec == "many":
