@@ -221,10 +221,10 @@ class DecodeAttention:
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             if self.policy == "fa3":
-                plan_fa3_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
+                plan_fa3_units(plan_seq_lens, self._schedule, block_n=config.block_n,
                                num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
             elif self._kind == "units":
-                plan_chunked_units(plan_seq_lens, self._schedule, block_n=self.config.block_n,
+                plan_chunked_units(plan_seq_lens, self._schedule, block_n=config.block_n,
                                    num_kv_heads=self.num_kv_heads)
         self._plan = DecodePlan(self.policy, batch, plan_seq_lens, page_table, schedule, config)
         return self._plan
@@ -280,15 +280,15 @@ class DecodeAttention:
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,
                                        s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,
-                                       self.page_size, self.config)
+                                       self.page_size, plan.config)
             launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base, hkv,
-                                      self.config)
+                                      plan.config)
         else:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
                                        plan.seq_lens, plan.seq_lens, scale, b * hkv, False, self.page_size,
-                                       self.config)
+                                       plan.config)
         return out
 
     def _check_pages(self, plan: DecodePlan, num_slots: int) -> None:
