@@ -203,6 +203,49 @@ def test_last_row_wins_and_report_cli(tmp_path):
     assert (tmp_path / "o" / "summary.md").exists()
 
 
+def test_goals_score_each_goal_on_its_points():
+    """benchmarks/goals.py counts each of issue 4's goals over the points it names (1 MB of KV
+    at 1 TB/s: fraction of copy = 1 / us)."""
+    import goals
+    q = dict(shape="qwen3-30b-a3b", t=262144)
+    rows = [
+        _row("evenkv-balanced", "evenkv", 16, "Uniform", 140.0, **q),
+        _row("fa3-auto", "fa3", 16, "Uniform", 150.0, **q),
+        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 150.0, **q),
+        _row("fa3-auto", "fa3", 16, "Skewed40", 149.0, **q),
+        _row("evenkv-balanced", "evenkv", 512, "Uniform", 120.0, **q),
+        _row("fa3-auto", "fa3", 512, "Uniform", 150.0, **q),
+        _row("evenkv-balanced", "evenkv", 1024, "Skewed80", 130.0, **q),
+        _row("fa3-auto", "fa3", 1024, "Skewed80", 1300.0, **q),
+        dict(_row("evenkv-balanced", "evenkv", 2048, "Uniform", 130.0, **q), plan_dev_us=9.0),
+        _row("fa3-auto", "fa3", 2048, "Uniform", 260.0, **q),
+        _row("evenkv-balanced", "evenkv", 16, "Uniform", 150.0, page=1, **q),
+        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 170.0, page=1, **q),
+        _row("evenkv-balanced", "evenkv", 16, "Uniform", 0.9, shape="qwen3-30b-a3b", t=1048576),
+        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 1.25, shape="qwen3-30b-a3b", t=1048576),
+        _row("evenkv-balanced", "evenkv", 16, "Uniform", 10.0, shape="qwen3-30b-a3b", t=32768),
+        _row("flashinfer-tc", "flashinfer", 16, "Uniform", 9.5, shape="qwen3-30b-a3b", t=32768),
+        _row("evenkv-balanced", "evenkv", 16, "Uniform", 1.0, shape="llama3-8b", t=262144),
+        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 1.25, shape="llama3-8b", t=262144),
+    ]
+    rows = [report._convert({k: str(v) for k, v in r.items()}) for r in rows]
+    got = dict(goals.score(rows))
+    assert got["1. T=256K p16 time <= 143 us"] == "not met: 4/5 (range 120-150)"
+    assert got["2. T=1M p16 >= 100 % of copy"] == "not met: 1/2 (range 0.8-1.11)"
+    assert got["3a. ratio to FA3 <= 1.00 (256K p16)"] == "not met: 4/5 (range 0.1-1.01)"
+    assert got["3b. ratio to FA3 <= 0.85 at B >= 384"] == "met: 3/3 (range 0.1-0.8)"
+    assert got["3c. ratio to FA3 at B > 992"] == "range 0.1-0.5"
+    assert got["4. flatness <= 1.10 (T=262144 p16)"] == "met: 1/1 (range 1.07-1.07)"
+    assert got["4. flatness <= 1.10 (T=262144 p1)"] == "not met: 0/1 (range 1.13-1.13)"
+    assert got["4. flatness <= 1.10 (T=1048576 p16)"] == "not met: 0/1 (range 1.39-1.39)"
+    assert "4. flatness <= 1.10 (T=32768 p16)" not in got  # one distribution there: no flatness
+    assert got["5. page 1 / page 16 within 10 %"] == "not met: 1/2 (range 1.07-1.13)"
+    assert got["6. plan <= 10 us at B = 2048"] == "met: 1/1 (range 9-9)"
+    assert got["7. T=32K within 1.1x of the best peer"] == "met: 1/1 (range 1.05-1.05)"
+    assert got["8. llama3-8b >= 85 % of copy (256K)"] == "not met: 1/2 (range 0.8-1)"
+    assert goals.score([])[0] == ("1. T=256K p16 time <= 143 us", "no points measured")
+
+
 # ----------------------------------------------------------------------------- arguments
 
 def test_args_defaults_quick_and_overrides():
