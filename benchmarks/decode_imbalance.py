@@ -19,20 +19,18 @@ For each shape, total KV tokens T, page size P, batch size B and length distribu
 * the device-to-device copy bandwidth (read + write counted) measured in the same process.
 
 Writes ``<out>/<date>-<gpu>/<tag>.csv`` (one row per measurement, flushed as it goes),
-then ``summary.md`` and PNGs over every CSV in that folder (benchmarks/report.py).
+then ``summary.md`` and PNGs over every CSV in that folder (``benchmarks.report``).
 
-    python benchmarks/decode_imbalance.py --quick
-    python benchmarks/decode_imbalance.py --T 262144,1048576 --pages 16,1 --out /tmp/res
-    python benchmarks/decode_imbalance.py --shape llama3-8b,qwen2.5-7b --quick
-    python benchmarks/decode_imbalance.py --list           # implementations and why any is skipped
-    python benchmarks/decode_imbalance.py --dry-run ...    # the points a run would measure
+    python -m benchmarks.decode_imbalance --quick
+    python -m benchmarks.decode_imbalance --T 262144,1048576 --pages 16,1 --out /tmp/res
+    python -m benchmarks.decode_imbalance --shape llama3-8b,qwen2.5-7b --quick
+    python -m benchmarks.decode_imbalance --list           # implementations and why any is skipped
+    python -m benchmarks.decode_imbalance --dry-run ...    # the points a run would measure
 """
 
 import argparse
 import datetime
 import fnmatch
-import importlib.abc
-import importlib.util
 import math
 import signal
 import statistics
@@ -42,48 +40,13 @@ import time
 import zlib
 from pathlib import Path
 
+import torch
+
+from benchmarks import report
+from benchmarks.peers import MODULES, Batch, Context, Runner, Shape, load
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-
-class _RepoFinder(importlib.abc.MetaPathFinder):
-    """Maps evenkv / evenkv.kernels / evenkv.integrations onto the checkout's backend/,
-    kernels/ and integrations/ (pyproject's package-dir), for a checkout that was not
-    pip-installed (e.g. on the GPU machine)."""
-
-    DIRS = {"evenkv": "backend", "evenkv.kernels": "kernels", "evenkv.integrations": "integrations"}
-
-    def find_spec(self, fullname, path=None, target=None):
-        folder = self.DIRS.get(fullname)
-        if folder is None:
-            return None
-        init = REPO / folder / "__init__.py"
-        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
-
-
-def ensure_evenkv_importable() -> str:
-    """Import evenkv; fall back to this checkout's sources. Returns where it came from."""
-    try:
-        import evenkv
-        return str(Path(evenkv.__file__).parent)
-    except ImportError:
-        if not (REPO / "backend" / "__init__.py").exists():
-            raise
-    for name in [m for m in sys.modules if m == "evenkv" or m.startswith("evenkv.")]:
-        del sys.modules[name]
-    sys.meta_path.insert(0, _RepoFinder())
-    import evenkv
-    return f"{Path(evenkv.__file__).parent} (checkout, not installed)"
-
-
-ensure_evenkv_importable()
-
-import torch  # noqa: E402
-
-import report  # noqa: E402
-from peers import MODULES, Batch, Context, Runner, Shape, load  # noqa: E402
 
 # ----------------------------------------------------------------------------- sweep definition
 
@@ -292,7 +255,7 @@ def git_version() -> str:
 
 def collect_env(device) -> dict:
     import triton
-    from peers import module_version
+    from benchmarks.peers import module_version
     props = torch.cuda.get_device_properties(device)
     env = {
         "run": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefill benchmark (issue 5): evenkv extend vs FA3 varlen and FlashInfer batch prefill,
+"""Prefill benchmark: evenkv extend vs FA3 varlen and FlashInfer batch prefill,
 one run, same data, on one GPU.
 
 Points (default): Qwen3-30B-A3B attention (Hq 32, Hkv 4, D 128, bf16), page size 16,
@@ -34,17 +34,16 @@ rewritten with ratio_fa3 / ratio_flashinfer (evenkv TFLOP/s over the peer's, bes
 FlashInfer variant), and a Markdown summary goes next to it (<out>.md) with the points
 below the 0.6x bar.
 
-    python benchmarks/prefill.py --out benchmarks/results/prefill-h200.csv
-    python benchmarks/prefill.py --out /tmp/p.csv --quick
-    python benchmarks/prefill.py --out /tmp/sweep.csv --sweep-configs    # tune the config table
-    python benchmarks/prefill.py --out /tmp/cpu.csv --cpu-smoke          # logic test, no GPU
+    python -m benchmarks.prefill --out benchmarks/results/prefill-h200.csv
+    python -m benchmarks.prefill --out /tmp/p.csv --quick
+    python -m benchmarks.prefill --out /tmp/sweep.csv --sweep-configs    # tune the config table
+    python -m benchmarks.prefill --out /tmp/cpu.csv --cpu-smoke          # logic test, no GPU
 """
 
 import argparse
 import csv
 import datetime
 import importlib
-import importlib.util
 import math
 import os
 import statistics
@@ -59,29 +58,10 @@ REPO = HERE.parent
 if "--cpu-smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
-
-def import_evenkv():
-    """Import evenkv; in a checkout that was not pip-installed, load backend/ and kernels/
-    as the evenkv / evenkv.kernels packages (pyproject's package-dir mapping)."""
-    try:
-        return importlib.import_module("evenkv")
-    except ImportError:
-        pass
-    for name, folder in (("evenkv", "backend"), ("evenkv.kernels", "kernels")):
-        init = REPO / folder / "__init__.py"
-        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["evenkv"]
-
-
-import_evenkv()
-
 import torch  # noqa: E402
 
-from evenkv.arch import resolve_arch  # noqa: E402
-from evenkv.extend import EXTEND_CONFIG_CANDIDATES, ExtendConfig, extend_config, plan_extend, run_extend  # noqa: E402
+from evenkv.configs import EXTEND_CONFIG_CANDIDATES, ExtendConfig, extend_config, resolve_arch  # noqa: E402
+from evenkv.extend import plan_extend, run_extend  # noqa: E402
 
 FIELDS = ["impl", "variant", "config", "scenario", "batch", "prompt", "prefix", "page_size", "num_q_heads",
           "num_kv_heads", "head_dim", "dtype", "us_median", "us_p20", "us_p80", "reps", "tflops", "status",
@@ -542,7 +522,7 @@ def build_parser():
                     default=("evenkv-lpt", "evenkv-ordered", "fa3", "flashinfer-fa2", "flashinfer-auto"))
     ap.add_argument("--arch", choices=("sm80", "sm90"), default=None, help="evenkv config table (default: probe)")
     ap.add_argument("--sweep-configs", action="store_true",
-                    help="time evenkv with each candidate config (evenkv.extend.EXTEND_CONFIG_CANDIDATES) instead")
+                    help="time evenkv with each candidate config (evenkv.configs.EXTEND_CONFIG_CANDIDATES) instead")
     ap.add_argument("--quick", action="store_true", help="prompts 512,8192; prefixes 0,32768; batches 1,8,32")
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--max-reps", type=int, default=20)

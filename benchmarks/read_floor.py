@@ -11,7 +11,7 @@ bandwidth is only reachable where this floor is above it. KV bytes of the benchm
 points: Qwen3 (Hkv 4, D 128, bf16) 64 MiB at T = 32K, 512 MiB at 256K, 2 GiB at 1M;
 Llama-3-70B TP8 (Hkv 1) 128 MiB at 256K. Usage (GPU):
 
-    python benchmarks/read_floor.py [--mib 32,64,128,256,512,1024,2048] [--out floor.csv]
+    python -m benchmarks.read_floor [--mib 32,64,128,256,512,1024,2048] [--out floor.csv]
 """
 
 import argparse
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_imbalance import GpuTimer, copy_bandwidth
-from tune_decode import write_csv
+from benchmarks.decode_imbalance import GpuTimer, copy_bandwidth
+from benchmarks.tune_decode import write_csv
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summary and plots of decode-imbalance results (long-format CSV, one row per measurement).
 
-    python benchmarks/report.py RESULTS_DIR_OR_CSV [...] [--out DIR] [--ours evenkv-balanced]
+    python -m benchmarks.report RESULTS_DIR_OR_CSV [...] [--out DIR] [--ours evenkv-balanced]
 
 Reads every CSV given (a folder means its ``*.csv``), keeps the last row of each
 (shape, T, page, B, dist, implementation), and writes into ``--out`` (default: the

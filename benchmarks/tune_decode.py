@@ -1,4 +1,4 @@
-"""Sweep DecodeConfig candidates on the GPU: the evidence behind evenkv.arch's tables.
+"""Sweep DecodeConfig candidates on the GPU: the evidence behind evenkv.configs' decode tables.
 
 For each candidate config and policy, times decode (plan excluded) on the seed
 experiment's batches (one of the benchmark's shapes, default Qwen3-30B-A3B attention,
@@ -6,7 +6,7 @@ bf16) with a cold L2, and prints one CSV row per point with the fraction of the
 device-to-device copy bandwidth measured in the same process, and the largest
 difference from the first candidate's output at that point. Usage:
 
-    python benchmarks/tune_decode.py --out tune.csv [--shape gemma3-12b] [--tokens 262144] [--page 16]
+    python -m benchmarks.tune_decode --out tune.csv [--shape gemma3-12b] [--tokens 262144] [--page 16]
 """
 
 import argparse
@@ -18,11 +18,9 @@ import sys
 
 import torch
 
-# First: it makes the checkout's evenkv importable when it is not installed.
-from decode_imbalance import SHAPES, GpuTimer, copy_bandwidth
-
-import evenkv  # noqa: E402
-from evenkv.arch import DecodeConfig, many_segments_config  # noqa: E402
+import evenkv
+from benchmarks.decode_imbalance import SHAPES, GpuTimer, copy_bandwidth
+from evenkv.configs import DecodeConfig, many_segments_config
 
 
 def lengths(total, batch, dist):
@@ -62,16 +60,14 @@ def write_csv(path, rows):
 
 
 def parse_config(name):
-    """'bn64-w4-s5-c3-o2-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, segment
-    overhead 2 tiles (default 0, as the tables), 128 registers (default: the compiler's)); merge launched as a
-    programmatic dependent where the GPU has it."""
-    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-o(\d+))?(?:-r(\d+))?", name)
+    """'bn64-w4-s5-c3-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, 128 registers
+    (default: the compiler's)); merge launched as a programmatic dependent where the GPU has it."""
+    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?", name)
     if match is None:
-        raise ValueError("--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-o<segment overhead>]"
-                         f"[-r<max regs>], got {name!r}")
-    bn, warps, stages, ctas, overhead, regs = match.groups()
-    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), segment_overhead=int(overhead or 0),
-                        max_registers=int(regs) if regs else None, programmatic_launch=True)
+        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>], got {name!r}")
+    bn, warps, stages, ctas, regs = match.groups()
+    return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), max_registers=int(regs) if regs else None,
+                        programmatic_launch=True)
 
 
 def main():
@@ -84,8 +80,7 @@ def main():
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
     ap.add_argument("--configs", default="grid",
-                    help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>"
-                         "[-o<segment overhead>][-r<max regs>]")
+                    help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -103,8 +98,8 @@ def main():
         many = [many_segments_config(a, d, page) for a in ("sm80", "sm90")]
         configs = [evenkv.decode_config(a, d, page) for a in ("sm80", "sm90")] + [c for c in many if c is not None]
     elif args.configs == "grid":
-        configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}-o{o}")
-                   for bn, w, s, c, o in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4), (0,))]
+        configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}")
+                   for bn, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4))]
     else:
         configs = [parse_config(name) for name in args.configs.split(",")]
     rows = []
@@ -117,11 +112,11 @@ def main():
                 try:
                     attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
                                                   config=cfg)
-                    attn.plan(seq_lens, pt)
-                    out = attn.run(q, k, v)
+                    plan = attn.plan(seq_lens, pt)
+                    out = attn.run(plan, q, k, v)
                     first_out = out.clone() if first_out is None else first_out
                     diff = (out.float() - first_out.float()).abs().max().item()
-                    us = statistics.median(timer.events(lambda: attn.run(q, k, v, out=out), 30, 100.0))
+                    us = statistics.median(timer.events(lambda: attn.run(plan, q, k, v, out=out), 30, 100.0))
                 except Exception as exc:  # a config that fails to compile (shared memory) is reported
                     print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                     continue

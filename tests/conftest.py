@@ -1,10 +1,13 @@
 """Test lanes.
 
-CPU lane (default): without a CUDA device the Triton interpreter runs every kernel
-(TRITON_INTERPRET=1 is set here, before anything imports triton); tiny shapes.
-GPU lane: ``pytest -m gpu`` on a CUDA machine; realistic shapes. The default
-``-m 'not gpu'`` (pyproject) runs the CPU lane, which also runs on a GPU machine
-(then on the GPU, compiled).
+CPU lane (default, what CI runs): without a CUDA device every kernel runs in Triton's
+interpreter, on tiny shapes. Triton reads ``TRITON_INTERPRET`` once, when the kernels are
+defined, so the switch is made here, before anything imports triton. GPU lane:
+``pytest -m gpu tests/gpu`` on a CUDA machine, realistic shapes. The default
+``-m 'not gpu'`` (pyproject) also runs on a GPU machine, then compiled.
+
+Markers: ``gpu`` needs a CUDA device; ``interpreter`` checks behaviour of the interpreter
+lane itself and is skipped when the kernels are compiled.
 """
 
 import os
@@ -16,10 +19,22 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from evenkv.configs import is_interpreter  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if is_interpreter():
+        return
+    skip = pytest.mark.skip(reason="interpreter lane only (the kernels are compiled here)")
+    for item in items:
+        if "interpreter" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def device() -> torch.device:
-    """Where the CPU-lane tests put their tensors: the GPU if there is one, else the CPU (interpreter)."""
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where lane-agnostic tests put their tensors: the GPU when the kernels are compiled,
+    else the CPU (interpreter)."""
+    if is_interpreter():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,5 +1,6 @@
 """Shared test helpers: paged batches, the tolerance rule, a low-precision torch baseline,
-ahead-of-time compiles for CUDA targets."""
+ahead-of-time compiles for CUDA targets. The data builders and the rule itself live in
+``evenkv.testing`` (the benchmarks and the demo use them too)."""
 
 import json
 import math
@@ -12,47 +13,16 @@ import pytest
 import torch
 
 from evenkv.kernels.reference import decode_reference, gather_request_kv
-
-# Floor of the tolerance rule, per dtype: the smallest error we call "equal" when torch's
-# own low-precision error happens to be ~0 (tiny batches).
-TOLERANCE_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+from evenkv.testing import GARBAGE_PAGE, TOLERANCE_FLOOR, max_error, random_paged_batch, tolerance  # noqa: F401
 
 
-def lane_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a test can use in this lane. Triton 3.6's interpreter computes tl.dot on
-    bf16 operands wrongly (errors of ~1e10 on a plain 16x16 dot), so under the
-    interpreter bf16 cases run in fp16; on a GPU (either lane) bf16 runs as bf16."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return torch.float16 if interpreted and dtype == torch.bfloat16 else dtype
-
-
-def make_paged_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, *,
-                     extra_pages=3, seed=0, garbage_tail=True):
-    """Random q, K/V caches and a page table with pages in random order.
-
-    Returns q [B, Hq, D], k_cache/v_cache [num_slots, Hkv, D], seq_lens [B] int32,
-    page_table [B, max_pages] int32. Unused page-table entries hold out-of-range
-    garbage (garbage_tail) so a kernel that reads past seq_len fails loudly or
-    reads the wrong thing.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    lens = [int(x) for x in seq_lens]
-    pages_per_req = [math.ceil(n / page_size) for n in lens]
-    max_pages = max([1] + pages_per_req) + 1
-    num_pages = sum(pages_per_req) + extra_pages
-    perm = torch.randperm(num_pages, generator=gen)
-    page_table = torch.full((len(lens), max_pages), 10**8 if garbage_tail else 0, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages_per_req):
-        page_table[b, :n] = perm[used:used + n].int()
-        used += n
-    num_slots = num_pages * page_size
-    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(len(lens), num_q_heads, head_dim, generator=gen).to(dtype)
-    to = dict(device=device)
-    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), torch.tensor(lens, dtype=torch.int32, **to),
-            page_table.to(**to))
+def make_paged_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, *, extra_pages=3,
+                     seed=0, garbage_tail=True):
+    """``evenkv.testing.random_paged_batch``: q [B, Hq, D], k_cache/v_cache [num_slots, Hkv, D],
+    seq_lens [B] int32, page_table [B, max_pages] int32 (unused entries hold GARBAGE_PAGE,
+    or page 0 without ``garbage_tail``)."""
+    return random_paged_batch(seq_lens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, seed=seed,
+                              spare_pages=extra_pages, tail=GARBAGE_PAGE if garbage_tail else 0)
 
 
 def lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=None):
@@ -71,13 +41,11 @@ def lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=N
 
 
 def assert_close_to_reference(out, q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=None):
-    """Tolerance rule: max|out - ref32| <= 2 * max|torch_lowp - ref32| + floor(dtype)."""
+    """Tolerance rule (evenkv.testing.tolerance) against torch's own low-precision decode."""
     ref = decode_reference(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale)
     lowp = lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale)
-    err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
-    base = (lowp.float() - ref).abs().max().item() if out.numel() else 0.0
-    bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
-    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {q.dtype} error {base:.3e})"
+    err, bound = max_error(out, ref), tolerance(ref, lowp, q.dtype)
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} ({q.dtype})"
     return err, bound
 
 

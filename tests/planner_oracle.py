@@ -14,14 +14,14 @@ def cdiv(a, b):
     return -(-np.asarray(a, dtype=np.int64) // b)
 
 
-def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, overhead):
+def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n):
     """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_start [C, 4], piece, total, max_tiles).
 
     cta_start[c] = (k, b, seq_lens[b], req_cost_start[b]) for b = active_req[k], the first
     request whose cost range ends after c * piece; (K, B, 0, total) past the end."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     tiles = cdiv(lens, block_n)
-    cost = np.where(tiles > 0, (tiles + overhead) * num_kv_heads, 0)
+    cost = tiles * num_kv_heads
     end = np.cumsum(cost)
     total = int(end[-1]) if len(end) else 0
     piece = max(-(-total // num_ctas), 1)
@@ -72,7 +72,7 @@ def _unit_plan(tiles, splits, num_kv_heads):
                 num_units=nxt * num_kv_heads)
 
 
-def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
+def simulate_stream(plan, num_ctas, num_kv_heads, block_n):
     """Walk each CTA exactly as decode_stream_kernel does.
 
     Returns (pieces, writes): pieces[c] = list of (b, h, tile_begin, tile_end);
@@ -87,25 +87,24 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n, overhead):
         while pos < end:
             b = int(active[k])
             n = int(cdiv(lens[b], block_n))
-            seg_cost = n + overhead
-            h = (pos - int(start[b])) // seg_cost
-            seg_lo = int(start[b]) + h * seg_cost
-            t0, t1 = max(pos - seg_lo - overhead, 0), min(end - seg_lo - overhead, n)
+            h = (pos - int(start[b])) // n
+            seg_lo = int(start[b]) + h * n
+            t0, t1 = max(pos - seg_lo, 0), min(end - seg_lo, n)
             if t1 > t0:
                 mine.append((b, h, t0, t1))
                 if t0 == 0 and t1 == n:
                     writes.append(("out", b, h, None))
                 else:
-                    first_cta = (seg_lo + overhead) // piece
+                    first_cta = seg_lo // piece
                     writes.append(("partial", b, h, 2 * c + int(c == first_cta)))
-            pos = seg_lo + seg_cost
+            pos = seg_lo + n
             if h == num_kv_heads - 1:
                 k += 1
         pieces.append(mine)
     return pieces, writes
 
 
-def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
+def stream_merge_reads(plan, num_kv_heads, block_n):
     """Partial slots of each cut segment, in merge order: {(b, h): [slots]}. Its pieces run
     on CTAs first .. last; CTA c's piece is at slot 2c + (c == first)."""
     reads = {}
@@ -115,8 +114,8 @@ def stream_merge_reads(plan, num_kv_heads, block_n, overhead):
         if n == 0:
             continue
         for h in range(num_kv_heads):
-            seg_lo = int(plan["req_cost_start"][b]) + h * (n + overhead)
-            first, last = (seg_lo + overhead) // piece, (seg_lo + overhead + n - 1) // piece
+            seg_lo = int(plan["req_cost_start"][b]) + h * n
+            first, last = seg_lo // piece, (seg_lo + n - 1) // piece
             if last > first:
                 reads[(b, h)] = [2 * c + int(c == first) for c in range(first, last + 1)]
     return reads
@@ -128,7 +127,7 @@ def stream_fused_merges(reads, fused_pieces):
     return {key: (slots[0] - 1) // 2 for key, slots in reads.items() if len(slots) <= fused_pieces}
 
 
-def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, overhead, fused_pieces, consts):
+def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, consts):
     """What each program j of merge_stream_kernel merges (its selection and sharing rule,
     for the step shapes in ``consts``, from ``merge_stream_constants``):
     {(b, h): [(j, row, first column, end column)]}."""
@@ -142,8 +141,8 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, overhead, fused_p
         if k >= len(active):
             continue
         n = int(cdiv(seq_len, block_n))
-        h = (x - req_lo) // (n + overhead)
-        first_tile = req_lo + h * (n + overhead) + overhead
+        h = (x - req_lo) // n
+        first_tile = req_lo + h * n
         first_cta = first_tile // piece
         pieces = (first_tile + n - 1) // piece - first_cta + 1
         if not (first_tile < x < first_tile + n and pieces > fused_pieces):

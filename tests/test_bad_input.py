@@ -67,13 +67,13 @@ def test_debug_mode_checks_lengths_and_pages(device):
         attn.plan(torch.tensor([20, 10**6], dtype=torch.int32, device=device), pt)
     bad = pt.clone()
     bad[0, 1] = kc.shape[0] // 16  # one past the last page
-    attn.plan(lens, bad)
+    plan = attn.plan(lens, bad)
     with pytest.raises(ValueError, match=r"page_table: expected page ids in \[0, \d+\)"):
-        attn.run(q, kc, vc)
+        attn.run(plan, q, kc, vc)
     bad[0, 1] = -1
-    attn.plan(lens, bad)
+    plan = attn.plan(lens, bad)
     with pytest.raises(ValueError, match="got -1"):
-        attn.run(q, kc, vc)
+        attn.run(plan, q, kc, vc)
 
 
 def test_debug_from_environment(device, monkeypatch):
@@ -86,21 +86,28 @@ def test_debug_from_environment(device, monkeypatch):
 def test_run_rejects(device):
     q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
     attn = _attn(device)
-    with pytest.raises(RuntimeError, match="plan"):
-        attn.run(q, kc, vc)
-    attn.plan(lens, pt)
+    with pytest.raises(TypeError, match="plan: expected the DecodePlan"):
+        attn.run(None, q, kc, vc)
+    stale = attn.plan(lens, pt)
+    plan = attn.plan(lens, pt)
+    other = _attn(device).plan(lens, pt)
     cases = [
-        (lambda: attn.run(q[:1], kc, vc), ValueError, ["q", "[2, 8, 64]", "(1, 8, 64)"]),
-        (lambda: attn.run(q.view(2, 4, 128), kc, vc), ValueError, ["q", "[2, 8, 64]"]),
-        (lambda: attn.run(q.bfloat16(), kc, vc), TypeError, ["q", "bfloat16"]),
-        (lambda: attn.run(q, kc[:, :1], vc), ValueError, ["k_cache", "[*, 2, 64]"]),
-        (lambda: attn.run(q, kc, vc[:-1]), ValueError, ["v_cache"]),
-        (lambda: attn.run(q, kc, vc.half().float()), TypeError, ["v_cache", "float32"]),
-        (lambda: attn.run(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc), ValueError,
+        (lambda: attn.run(stale, q, kc, vc), ValueError, ["plan", "latest plan"]),
+        (lambda: attn.run(other, q, kc, vc), ValueError, ["plan", "latest plan"]),
+        (lambda: attn.run(plan, q[:1], kc, vc), ValueError, ["q", "[2, 8, 64]", "(1, 8, 64)"]),
+        (lambda: attn.run(plan, q.view(2, 4, 128), kc, vc), ValueError, ["q", "[2, 8, 64]"]),
+        (lambda: attn.run(plan, q.bfloat16(), kc, vc), TypeError, ["q", "bfloat16"]),
+        (lambda: attn.run(plan, q, kc[:, :1], vc), ValueError, ["k_cache", "[*, 2, 64]"]),
+        (lambda: attn.run(plan, q, kc, vc[:-1]), ValueError, ["v_cache"]),
+        (lambda: attn.run(plan, q, kc, vc.half().float()), TypeError, ["v_cache", "float32"]),
+        (lambda: attn.run(plan, q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc), ValueError,
          ["k_cache", "unit stride"]),
-        (lambda: attn.run(q, kc, vc, out=torch.empty(2, 8, 64, device=device)), TypeError, ["out", "float32"]),
-        (lambda: attn.run(q, kc, vc, out=torch.empty(3, 8, 64, dtype=q.dtype, device=device)), ValueError, ["out"]),
-        (lambda: attn.run(q.numpy() if device.type == "cpu" else q.cpu().numpy(), kc, vc), TypeError, ["q", "ndarray"]),
+        (lambda: attn.run(plan, q, kc, vc, out=torch.empty(2, 8, 64, device=device)), TypeError, ["out", "float32"]),
+        (lambda: attn.run(plan, q, kc, vc, out=torch.empty(3, 8, 64, dtype=q.dtype, device=device)), ValueError,
+         ["out"]),
+        (lambda: attn.run(plan, q.numpy() if device.type == "cpu" else q.cpu().numpy(), kc, vc), TypeError,
+         ["q", "ndarray"]),
+        (lambda: attn.run(plan, q, kc, vc, sm_scale=-1.0), ValueError, ["sm_scale", "-1.0"]),
     ]
     for fn, exc, words in cases:
         with pytest.raises(exc) as err:
@@ -168,13 +175,13 @@ def test_fuzz_public_api_refuses_malformed_input(device, no_launch, q_shape, q_d
         return
     if lens_shape[0] > 0:  # a real plan would launch the prepare kernel; the fuzz is about run()
         return
-    attn.plan(lens, pt)
+    plan = attn.plan(lens, pt)
     q = torch.zeros(q_shape, dtype=q_dtype, device=device)
     k = torch.zeros(k_shape, dtype=k_dtype, device=device)
     well_formed_run = (q_dtype == torch.float16 and tuple(q_shape) == (0, 8, 64) and k_dtype == torch.float16
                        and len(k_shape) == 3 and tuple(k_shape[1:]) == (2, 64))
     if well_formed_run:
-        assert attn.run(q, k, k).shape == (0, 8, 64)
+        assert attn.run(plan, q, k, k).shape == (0, 8, 64)
     else:
         with pytest.raises((TypeError, ValueError)):
-            attn.run(q, k, k)
+            attn.run(plan, q, k, k)

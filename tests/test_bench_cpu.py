@@ -1,7 +1,7 @@
-"""CPU tests of the decode-imbalance benchmark harness (no GPU): the length generator,
-the sweep and check-point selection, the summary math on a synthetic CSV, argument
-parsing, the evenkv/peer adapters' naming, the whole measurement loop with CUDA timing
-mocked (evenkv kernels under the interpreter), and ``evenkv demo`` in interpreter mode.
+"""CPU tests of the benchmark harnesses (no GPU): the length generator, the sweep and
+check-point selection, the summary math on a synthetic CSV, argument parsing, the
+evenkv/peer adapters' naming, the whole measurement loop with CUDA timing mocked (evenkv
+kernels under the interpreter), and ``python -m evenkv demo`` in interpreter mode.
 """
 
 import csv
@@ -17,12 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+import benchmarks.decode_imbalance as di
+from benchmarks import report
+from benchmarks.peers import Runner, evenkv_impl, sglang_triton
 
-import decode_imbalance as di  # noqa: E402
-import report  # noqa: E402
-from peers import Runner, evenkv_impl, sglang_triton  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 PCT = {"Skewed40": 40, "Skewed60": 60, "Skewed80": 80}
 
@@ -203,49 +202,6 @@ def test_last_row_wins_and_report_cli(tmp_path):
     assert (tmp_path / "o" / "summary.md").exists()
 
 
-def test_goals_score_each_goal_on_its_points():
-    """benchmarks/goals.py counts each of issue 4's goals over the points it names (1 MB of KV
-    at 1 TB/s: fraction of copy = 1 / us)."""
-    import goals
-    q = dict(shape="qwen3-30b-a3b", t=262144)
-    rows = [
-        _row("evenkv-balanced", "evenkv", 16, "Uniform", 140.0, **q),
-        _row("fa3-auto", "fa3", 16, "Uniform", 150.0, **q),
-        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 150.0, **q),
-        _row("fa3-auto", "fa3", 16, "Skewed40", 149.0, **q),
-        _row("evenkv-balanced", "evenkv", 512, "Uniform", 120.0, **q),
-        _row("fa3-auto", "fa3", 512, "Uniform", 150.0, **q),
-        _row("evenkv-balanced", "evenkv", 1024, "Skewed80", 130.0, **q),
-        _row("fa3-auto", "fa3", 1024, "Skewed80", 1300.0, **q),
-        dict(_row("evenkv-balanced", "evenkv", 2048, "Uniform", 130.0, **q), plan_dev_us=9.0),
-        _row("fa3-auto", "fa3", 2048, "Uniform", 260.0, **q),
-        _row("evenkv-balanced", "evenkv", 16, "Uniform", 150.0, page=1, **q),
-        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 170.0, page=1, **q),
-        _row("evenkv-balanced", "evenkv", 16, "Uniform", 0.9, shape="qwen3-30b-a3b", t=1048576),
-        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 1.25, shape="qwen3-30b-a3b", t=1048576),
-        _row("evenkv-balanced", "evenkv", 16, "Uniform", 10.0, shape="qwen3-30b-a3b", t=32768),
-        _row("flashinfer-tc", "flashinfer", 16, "Uniform", 9.5, shape="qwen3-30b-a3b", t=32768),
-        _row("evenkv-balanced", "evenkv", 16, "Uniform", 1.0, shape="llama3-8b", t=262144),
-        _row("evenkv-balanced", "evenkv", 16, "Skewed40", 1.25, shape="llama3-8b", t=262144),
-    ]
-    rows = [report._convert({k: str(v) for k, v in r.items()}) for r in rows]
-    got = dict(goals.score(rows))
-    assert got["1. T=256K p16 time <= 143 us"] == "not met: 4/5 (range 120-150)"
-    assert got["2. T=1M p16 >= 100 % of copy"] == "not met: 1/2 (range 0.8-1.11)"
-    assert got["3a. ratio to FA3 <= 1.00 (256K p16)"] == "not met: 4/5 (range 0.1-1.01)"
-    assert got["3b. ratio to FA3 <= 0.85 at B >= 384"] == "met: 3/3 (range 0.1-0.8)"
-    assert got["3c. ratio to FA3 at B > 992"] == "range 0.1-0.5"
-    assert got["4. flatness <= 1.10 (T=262144 p16)"] == "met: 1/1 (range 1.07-1.07)"
-    assert got["4. flatness <= 1.10 (T=262144 p1)"] == "not met: 0/1 (range 1.13-1.13)"
-    assert got["4. flatness <= 1.10 (T=1048576 p16)"] == "not met: 0/1 (range 1.39-1.39)"
-    assert "4. flatness <= 1.10 (T=32768 p16)" not in got  # one distribution there: no flatness
-    assert got["5. page 1 / page 16 within 10 %"] == "not met: 1/2 (range 1.07-1.13)"
-    assert got["6. plan <= 10 us at B = 2048"] == "met: 1/1 (range 9-9)"
-    assert got["7. T=32K within 1.1x of the best peer"] == "met: 1/1 (range 1.05-1.05)"
-    assert got["8. llama3-8b >= 85 % of copy (256K)"] == "not met: 1/2 (range 0.8-1)"
-    assert goals.score([])[0] == ("1. T=256K p16 time <= 143 us", "no points measured")
-
-
 # ----------------------------------------------------------------------------- arguments
 
 def test_args_defaults_quick_and_overrides():
@@ -290,10 +246,8 @@ def test_impl_selection_and_names():
     assert sglang_triton.schedule_seq(256) == 256
 
 
-def test_cli_routes_bench_args(capsys):
-    from evenkv import cli
-    assert cli.find_benchmark() == REPO / "benchmarks" / "decode_imbalance.py"
-    assert cli.main(["bench", "--dry-run", "--T", "32768", "--B", "1,2", "--pages", "16"]) == 0
+def test_dry_run_lists_the_points(capsys):
+    assert di.main(["--dry-run", "--T", "32768", "--B", "1,2", "--pages", "16"]) == 0
     out = capsys.readouterr().out
     assert "T=32768 page 16: 5 points" in out
 
@@ -315,8 +269,6 @@ class _FakeEvent:
 def mocked_cuda(monkeypatch):
     """The benchmark's CUDA calls (events, sync, sleep, device properties) mocked for a CPU
     run under the interpreter, plus a tiny shape preset."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("needs the interpreter lane (CPU)")
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
@@ -326,6 +278,7 @@ def mocked_cuda(monkeypatch):
     monkeypatch.setitem(di.SHAPES, "tiny", di.Shape("tiny", 4, 2, 64))
 
 
+@pytest.mark.interpreter
 def test_measurement_loop_with_mocked_cuda(tmp_path, mocked_cuda):
     """The whole run (checks, timing, CSV, summary) on the CPU: CUDA events/sync mocked,
     evenkv under the interpreter. Numbers are meaningless; the bookkeeping is not."""
@@ -350,6 +303,7 @@ def test_measurement_loop_with_mocked_cuda(tmp_path, mocked_cuda):
     assert (run_dir / "summary.md").exists() and list(run_dir.glob("time_tiny_T80_p16.png"))
 
 
+@pytest.mark.interpreter
 def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
     """An adapter whose output is wrong at a check point is reported 'wrong' everywhere in the group."""
 
@@ -381,8 +335,8 @@ def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
 
 def test_demo_interpreter_mode_runs():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, "-m", "evenkv.cli", "demo", "--cpu"], env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "evenkv", "demo", "--cpu"], env=env, capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "INTERPRETER" in p.stdout and "no performance meaning" in p.stdout and "DEMO PASS" in p.stdout
 
@@ -398,14 +352,20 @@ def test_demo_reexecs_with_interpreter_env(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(cli.subprocess, "call", fake_call)
     assert cli.main(["demo", "--cpu"]) == 0
-    assert seen["cmd"][1:] == ["-m", "evenkv.cli", "demo", "--cpu"] and seen["env"]["TRITON_INTERPRET"] == "1"
+    assert seen["cmd"][1:] == ["-m", "evenkv", "demo", "--cpu"] and seen["env"]["TRITON_INTERPRET"] == "1"
 
 
-def test_python_m_evenkv_bench_dry_run():
-    p = subprocess.run([sys.executable, "-m", "evenkv.bench", "--dry-run", "--quick"], capture_output=True,
-                       text=True, timeout=120)
+def test_python_m_benchmarks_dry_run():
+    p = subprocess.run([sys.executable, "-m", "benchmarks.decode_imbalance", "--dry-run", "--quick"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert "qwen3-30b-a3b 32/4/128 T=262144 page 16: 16 points" in p.stdout
+
+
+def test_python_m_evenkv_info():
+    p = subprocess.run([sys.executable, "-m", "evenkv", "info"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "config table sm" in p.stdout and "head_dim 128 page 16: decode sm" in p.stdout
 
 
 # ----------------------------------------------------------------------------- the other benchmark tools
@@ -414,8 +374,8 @@ def test_prefill_cpu_smoke_checks_every_point(tmp_path):
     """benchmarks/prefill.py end to end under the interpreter: every evenkv point is checked
     against the fp32 reference (status ok) and both schedules run on the skewed point."""
     out = tmp_path / "p.csv"
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prefill.py"), "--out", str(out), "--cpu-smoke",
-                        "--skewed"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.prefill", "--out", str(out), "--cpu-smoke", "--skewed"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = list(csv.DictReader(open(out)))
     assert rows and all(r["status"] == "ok" for r in rows), [(r["variant"], r["status"], r["max_err"]) for r in rows]
@@ -424,20 +384,18 @@ def test_prefill_cpu_smoke_checks_every_point(tmp_path):
 
 
 def test_tune_decode_parses_config_names():
-    import tune_decode
+    from benchmarks import tune_decode
     cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_ctas_per_sm, cfg.max_registers) == (64, 4, 5, 3, 128)
-    assert (cfg.segment_overhead, cfg.programmatic_launch) == (0, True)
-    cfg = tune_decode.parse_config("bn32-w8-s2-c4-o1")
-    assert (cfg.max_registers, cfg.segment_overhead) == (None, 1)
-    assert tune_decode.parse_config("bn64-w4-s3-c4-o3-r128").segment_overhead == 3
+    assert cfg.programmatic_launch
+    assert tune_decode.parse_config("bn32-w8-s2-c4").max_registers is None
     with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
         tune_decode.parse_config("bn64-w4-sX-c3")
 
 
 def test_read_floor_kernel_sums_each_chunk():
     """The read-floor benchmark's streaming kernel (interpreter): program p sums its own chunk."""
-    import read_floor
+    from benchmarks import read_floor
     x = torch.randn(4 * 3 * 32, dtype=torch.bfloat16)
     got = read_floor.read_sum(x, grid=4, block=32, num_warps=4, num_stages=2)
     want = x.float().view(4, -1).sum(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import evenkv
-from helpers import aot_compile, assert_close_to_reference, lane_dtype, make_paged_batch
+from helpers import aot_compile, assert_close_to_reference, make_paged_batch
 
 BATCHES = {
     "uniform": [40, 40, 40, 40],
@@ -22,20 +22,19 @@ def _cases():
     # Full product of policy x page x G x head_dim; dtype and batch kind rotate so every
     # value of each meets every policy and page size (the interpreter is slow).
     kinds, dtypes = list(BATCHES), [torch.float16, torch.bfloat16]
-    for i, (policy, page, g, d) in enumerate(itertools.product(evenkv.POLICIES, (1, 16), GROUPS, (64, 128))):
-        yield pytest.param(policy, page, g, d, dtypes[i % 2], kinds[i % 3],
-                           id=f"{policy}-p{page}-g{g}-d{d}-{str(dtypes[i % 2])[6:]}-{kinds[i % 3]}")
+    return [pytest.param(policy, page, g, d, dtypes[i % 2], kinds[i % 3],
+                         id=f"{policy}-p{page}-g{g}-d{d}-{str(dtypes[i % 2])[6:]}-{kinds[i % 3]}")
+            for i, (policy, page, g, d) in enumerate(itertools.product(evenkv.POLICIES, (1, 16), GROUPS, (64, 128)))]
 
 
 @pytest.mark.parametrize("policy,page_size,group,head_dim,dtype,kind", _cases())
 def test_decode_matches_reference(device, policy, page_size, group, head_dim, dtype, kind):
     hq, hkv = GROUPS[group]
     lens = BATCHES[kind]
-    dtype = lane_dtype(dtype)
     q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, head_dim, page_size, dtype, device, seed=len(lens))
     attn = evenkv.DecodeAttention(hq, hkv, head_dim, page_size, dtype, device, 8, pt.shape[1], policy, num_ctas=5)
-    attn.plan(seq_lens, pt)
-    out = attn.run(q, kc, vc)
+    plan = attn.plan(seq_lens, pt)
+    out = attn.run(plan, q, kc, vc)
     assert_close_to_reference(out, q, kc, vc, seq_lens, pt, page_size)
     assert torch.all(out[seq_lens == 0] == 0)
 
@@ -46,20 +45,20 @@ def test_both_arch_tables(device, arch, monkeypatch):
     q, kc, vc, seq_lens, pt = make_paged_batch([130, 2, 64], 8, 2, 64, 16, torch.float16, device)
     attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], num_ctas=3)
     assert attn.arch == arch and attn.config.name.startswith(arch)
-    attn.plan(seq_lens, pt)
-    assert_close_to_reference(attn.run(q, kc, vc), q, kc, vc, seq_lens, pt, 16)
+    plan = attn.plan(seq_lens, pt)
+    assert_close_to_reference(attn.run(plan, q, kc, vc), q, kc, vc, seq_lens, pt, 16)
 
 
 def test_plan_reuse_and_replan(device):
     """One plan serves several runs (layers); a new plan with other lengths replaces it."""
     q, kc, vc, seq_lens, pt = make_paged_batch([90, 5, 33], 8, 2, 64, 16, torch.float16, device)
     attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], num_ctas=4)
-    attn.plan(seq_lens, pt)
-    first = attn.run(q, kc, vc)
-    assert torch.equal(attn.run(q, kc, vc), first)
+    plan = attn.plan(seq_lens, pt)
+    first = attn.run(plan, q, kc, vc)
+    assert torch.equal(attn.run(plan, q, kc, vc), first)
     shorter = torch.tensor([3, 0, 20], dtype=torch.int32, device=device)
-    attn.plan(shorter, pt)
-    assert_close_to_reference(attn.run(q, kc, vc), q, kc, vc, shorter, pt, 16)
+    plan = attn.plan(shorter, pt)
+    assert_close_to_reference(attn.run(plan, q, kc, vc), q, kc, vc, shorter, pt, 16)
 
 
 def test_many_splits_and_strided_inputs(device):
@@ -72,18 +71,18 @@ def test_many_splits_and_strided_inputs(device):
     q_strided.copy_(q)
     out = torch.empty(2, 8, 128, dtype=q.dtype, device=device)[..., :64]
     attn = evenkv.DecodeAttention(8, 2, 64, 1, torch.float16, device, 2, pt.shape[1], num_ctas=11)
-    attn.plan(seq_lens, pt)
-    res = attn.run(q_strided, kc_strided, vc, out=out)
+    plan = attn.plan(seq_lens, pt)
+    res = attn.run(plan, q_strided, kc_strided, vc, out=out)
     assert res.data_ptr() == out.data_ptr()
     assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 1)
 
 
 def test_empty_batch(device):
     attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, 4)
-    attn.plan(torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, 4, dtype=torch.int32, device=device))
+    plan = attn.plan(torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(0, 4, dtype=torch.int32, device=device))
     q = torch.zeros(0, 8, 64, dtype=torch.float16, device=device)
     kc = torch.zeros(16, 2, 64, dtype=torch.float16, device=device)
-    assert evenkv.DecodeAttention.run(attn, q, kc, kc).shape == (0, 8, 64)
+    assert attn.run(plan, q, kc, kc).shape == (0, 8, 64)
 
 
 def test_all_padding_rows(device):
@@ -91,9 +90,9 @@ def test_all_padding_rows(device):
     q, kc, vc, seq_lens, pt = make_paged_batch([0, 0, 0], 8, 2, 64, 16, torch.float16, device)
     for policy in evenkv.POLICIES:
         attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 4, pt.shape[1], policy, num_ctas=3)
-        attn.plan(seq_lens, pt)
+        plan = attn.plan(seq_lens, pt)
         out = torch.full_like(q, float("nan"))
-        attn.run(q, kc, vc, out=out)
+        attn.run(plan, q, kc, vc, out=out)
         assert torch.all(out == 0), policy
 
 
@@ -116,8 +115,8 @@ def test_nan_in_unused_slots_does_not_leak(device):
     vc_nan[unused] = float("nan")
     for policy in evenkv.POLICIES:
         attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 2, pt.shape[1], policy, num_ctas=4)
-        attn.plan(seq_lens, pt)
-        out = attn.run(q, kc_nan, vc_nan)
+        plan = attn.plan(seq_lens, pt)
+        out = attn.run(plan, q, kc_nan, vc_nan)
         assert not torch.isnan(out).any(), policy
         assert_close_to_reference(out, q, kc, vc, seq_lens, pt, 16)
 
@@ -131,8 +130,8 @@ def test_deterministic_is_batch_invariant(device):
     q, kc, vc, seq_lens, pt = make_paged_batch(lens, 8, 2, 64, 16, torch.float16, device)
     attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 8, pt.shape[1], deterministic=True,
                                   num_ctas=3)
-    attn.plan(seq_lens, pt)
-    first = attn.run(q, kc, vc)
+    plan = attn.plan(seq_lens, pt)
+    first = attn.run(plan, q, kc, vc)
     assert_close_to_reference(first, q, kc, vc, seq_lens, pt, 16)
     for _ in range(6):
         batch = int(torch.randint(1, 9, (1,), generator=gen))
@@ -143,8 +142,8 @@ def test_deterministic_is_batch_invariant(device):
         idx = torch.tensor(rows, device=device)
         sub_lens = seq_lens[idx].clone()
         sub_lens[[i for i, r in enumerate(rows) if r != 0]] //= int(torch.randint(1, 4, (1,), generator=gen))
-        attn.plan(sub_lens, pt[idx])
-        out = attn.run(q[idx], kc, vc)
+        plan = attn.plan(sub_lens, pt[idx])
+        out = attn.run(plan, q[idx], kc, vc)
         assert torch.equal(out[pos], first[0]), rows
 
 
@@ -177,17 +176,14 @@ def test_lse_merge_of_key_splits_equals_full_attention():
     torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("merge_rows", [1, 2, 4])
-def test_merge_row_chunks(device, merge_rows):
-    """The units merge kernel's row chunks: G = 7 (the last chunk of 2 or 4 rows is partly
-    masked) and head_dim 80 (BLOCK_D 128, masked columns), a long request cut into many pieces."""
-    import dataclasses
-    dtype = lane_dtype(torch.float16)
+def test_units_merge_rows_and_columns(device):
+    """The units merge kernel (one program per query row): G = 7 and head_dim 80 (BLOCK_D
+    128, masked columns), a long request cut into many pieces."""
+    dtype = torch.float16
     attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 40, "fa3", num_ctas=6)
-    attn.config = dataclasses.replace(attn.config, merge_rows=merge_rows)
     q, k_cache, v_cache, seq_lens, page_table = make_paged_batch([600, 5, 33], 7, 1, 80, 16, dtype, device)
-    attn.plan(seq_lens, page_table)
-    assert_close_to_reference(attn.run(q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
+    plan = attn.plan(seq_lens, page_table)
+    assert_close_to_reference(attn.run(plan, q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
 
 
 def _stream_merge_path(pieces, consts):
@@ -212,22 +208,21 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     and columns. A second run of the same plan must give the same bytes: the last arrivals
     reset their counters, so the next launch (a graph replay) starts from zero."""
     from evenkv.kernels.decode_launch import merge_stream_constants
-    dtype = lane_dtype(torch.float16)
+    dtype = torch.float16
     lens = [3000, 5, 33, 0, 70]
     hq = 7 * num_kv_heads
     attn = evenkv.DecodeAttention(hq, num_kv_heads, head_dim, 16, dtype, device, len(lens), 200, num_ctas=num_ctas)
     q, k_cache, v_cache, seq_lens, page_table = make_paged_batch(lens, hq, num_kv_heads, head_dim, 16, dtype, device)
     plan = attn.plan(seq_lens, page_table)
-    # Head 0 of request 0 spans cost [0, n + overhead): its tiles sit at overhead .. overhead + n - 1.
+    # Head 0 of request 0 spans cost [0, n).
     piece, n = int(plan.schedule.plan_scalars[0]), -(-3000 // attn.config.block_n)
-    overhead = attn.config.segment_overhead
-    long_pieces = (overhead + n - 1) // piece - overhead // piece + 1
+    long_pieces = (n - 1) // piece + 1
     consts = merge_stream_constants(num_kv_heads, 7, head_dim, attn.config, False)
     assert _stream_merge_path(long_pieces, consts) == path, (long_pieces, piece)
-    first = attn.run(q, k_cache, v_cache)
+    first = attn.run(plan, q, k_cache, v_cache)
     assert_close_to_reference(first, q, k_cache, v_cache, seq_lens, page_table, 16)
     assert int(attn._merge_counters.abs().sum()) == 0
-    assert torch.equal(attn.run(q, k_cache, v_cache), first)
+    assert torch.equal(attn.run(plan, q, k_cache, v_cache), first)
 
 
 # One SM of an H100/H200 (sm90) and of an A100 (sm80): 64K registers, shared memory per SM.
@@ -256,7 +251,7 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
     there, shows the check can fail); sm80 fits 2 CTAs/SM in an A100's 164 KiB without
     spills. sm90 head_dim 256 has a second row for page sizes >= 16 (2 stages, 128
     registers, 4 CTAs/SM), checked the same way."""
-    from evenkv.arch import decode_config
+    from evenkv.configs import decode_config
     rows = {decode_config(arch, head_dim, page) for page in (1, 16)}
     assert len(rows) == (2 if (arch, head_dim) == ("sm90", 256) else 1)
     for cfg in rows:
@@ -270,7 +265,7 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
     registers; head_dim 128 at page size >= 16: 5 at 96) meet the same checks: their CTAs
     fit the register cap and the shared memory, with no local memory in the tile loop.
     There is no such row for sm80, head_dim 256, or head_dim 128 at page size 1."""
-    from evenkv.arch import many_segments_config
+    from evenkv.configs import many_segments_config
     cfg = many_segments_config("sm90", head_dim, 16)
     assert cfg is not None and cfg.max_ctas_per_sm == ctas
     assert many_segments_config("sm90", head_dim, 1) == (cfg if min_page == 1 else None)
@@ -279,7 +274,8 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
 
 
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
-    from evenkv.kernels.decode_launch import merge_stream_constants, merge_units_constants, stream_constants
+    from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, merge_stream_constants, merge_units_constants,
+                                              stream_constants)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
@@ -300,11 +296,11 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
         assert stream["mma_loop_reloads"] == 0, f"local-memory reloads in the tile loop: {stream}"
     if starved_check:
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
-    merge_options = dict(num_warps=cfg.merge_num_warps)
+    merge_options = dict(num_warps=MERGE_NUM_WARPS)
     for name, consts in [
             ("merge_stream_kernel",
              merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch)),
-            ("merge_units_kernel", dict(merge_units_constants(group, head_dim, cfg), NUM_KV_HEADS=num_kv_heads))]:
+            ("merge_units_kernel", dict(merge_units_constants(group, head_dim), NUM_KV_HEADS=num_kv_heads))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"
@@ -316,7 +312,7 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
     segments per CTA of its main grid with the many-segments row, a smaller one with the
     main row, and each plan runs with its own config; a fixed grid or config turns the
     choice off, as does page size 1 at head_dim 128 (head_dim 64's row serves page 1)."""
-    from evenkv.arch import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
+    from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
     hq, hkv, d, page = 8, 2, head_dim, page_size
     main, many = decode_config("sm90", d, page), many_segments_config("sm90", d, page)
     gen = torch.Generator().manual_seed(3)
@@ -331,7 +327,7 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
         q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, page, torch.float16, device, seed=batch)
         plan = attn.plan(seq_lens, pt)
         assert plan.config == (many if batch >= threshold else main)
-        out = attn.run(q, kc, vc)
+        out = attn.run(plan, q, kc, vc)
         assert_close_to_reference(out, q, kc, vc, seq_lens, pt, page)
         assert torch.all(out[0] == 0)
     others = [(dict(num_ctas=attn.num_ctas), page), (dict(config=main), page)]

@@ -1,7 +1,6 @@
-"""Extend / prefill attention (evenkv.extend) and mixed batches (evenkv.mixed.MixedAttention).
+"""Extend / prefill attention (evenkv.extend) and mixed batches (evenkv.Attention).
 
-CPU lane (default): Triton interpreter, tiny shapes, fp16 (the interpreter's tl.dot is
-wrong on bf16, see helpers.lane_dtype; bf16 runs in the GPU lane). Tolerance rule:
+CPU lane (default): Triton interpreter, tiny shapes. Tolerance rule:
 max|out - ref32| <= 2 * max|torch_lowp - ref32| + floor(dtype), where torch_lowp is
 extend_reference computed in the low dtype.
 GPU lane (``pytest -m gpu``): prompts up to 32K tokens on prefixes up to 32K, bf16.
@@ -19,11 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenkv.extend import ExtendConfig, extend
+from evenkv import Attention, ExtendConfig, extend
 from evenkv.kernels import extend_launch
 from evenkv.kernels.reference import extend_reference
-from evenkv.mixed import MixedAttention
-from helpers import TOLERANCE_FLOOR, aot_compile, lane_dtype
+from helpers import TOLERANCE_FLOOR, aot_compile
 
 # Small tiles so tiny batches still span several query blocks and KV tiles (and so
 # exercise the masked/unmasked tile split); the table's own configs run too.
@@ -115,7 +113,7 @@ CASES = [
 
 @pytest.mark.parametrize("group,hkv,head_dim,page_size,new_layout,config", CASES)
 def test_extend_matches_reference(device, group, hkv, head_dim, page_size, new_layout, config):
-    dtype = lane_dtype(torch.bfloat16 if head_dim == 128 else torch.float16)
+    dtype = torch.bfloat16 if head_dim == 128 else torch.float16
     batch = make_batch(Q_LENS, PREFIXES, group * hkv, hkv, head_dim, page_size, dtype, device, new_layout=new_layout)
     out = run_extend(batch, page_size, config=config)
     ref, lowp = reference_pair(batch, page_size)
@@ -259,8 +257,8 @@ def test_grid_bound_covers_every_block(q_lens, pad, group, block_m):
 
 
 def mixed_attention(device, batch, hq, hkv, d, ps, dtype, **kw):
-    return MixedAttention(hq, hkv, d, ps, dtype, device, max_batch_size=8,
-                          max_pages_per_request=batch["page_table"].shape[1], **kw)
+    return Attention(hq, hkv, d, ps, dtype, device, max_batch_size=8,
+                     max_pages_per_request=batch["page_table"].shape[1], **kw)
 
 
 @pytest.mark.parametrize("num_decodes,q_lens,prefixes", [
@@ -274,14 +272,15 @@ def test_mixed_matches_reference(device, num_decodes, q_lens, prefixes):
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, extend_config=SMALL)
     plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=num_decodes,
                      max_q_len=max(q_lens[num_decodes:], default=1))
-    assert plan.num_decodes == num_decodes and not plan.decode_via_extend
+    assert plan.num_decodes == num_decodes and not attn.decode_via_extend
+    assert (plan.decode is None) == (num_decodes == 0)
     assert (plan.extend is None) == (num_decodes == len(q_lens))
     ref, lowp = reference_pair(batch, ps)
-    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
     assert_tolerance(out, ref, lowp, dtype)
     # Same plan, next layer: new q, same metadata.
     q2 = torch.randn_like(batch["q"])
-    out2 = attn.run(q2, batch["k_cache"], batch["v_cache"])
+    out2 = attn.run(plan, q2, batch["k_cache"], batch["v_cache"])
     ref2, lowp2 = reference_pair(dict(batch, q=q2), ps)
     assert_tolerance(out2, ref2, lowp2, dtype)
 
@@ -298,10 +297,10 @@ def test_mixed_sglang_layout_and_4d_cache(device):
         batch["k_cache"][slot] = batch["k_new"][b]
         batch["v_cache"][slot] = batch["v_new"][b]
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, extend_config=SMALL)
-    attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=7)
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=7)
     k4 = batch["k_cache"].view(-1, ps, hkv, d)
     v4 = batch["v_cache"].view(-1, ps, hkv, d)
-    out = attn.run(batch["q"], k4, v4, k_new=batch["k_new"], v_new=batch["v_new"])
+    out = attn.run(plan, batch["q"], k4, v4, k_new=batch["k_new"], v_new=batch["v_new"])
     ref, lowp = reference_pair(batch, ps)
     assert_tolerance(out, ref, lowp, dtype)
 
@@ -312,8 +311,8 @@ def test_mixed_window_runs_decode_rows_in_extend(device):
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, sliding_window=8, logit_cap=2.0,
                            extend_config=SMALL)
     plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=10)
-    assert plan.decode_via_extend and plan.extend.req_begin == 0
-    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    assert attn.decode_via_extend and plan.decode is None and plan.extend.req_begin == 0
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
     ref, lowp = reference_pair(batch, ps, sliding_window=8, logit_cap=2.0)
     assert_tolerance(out, ref, lowp, dtype)
 
@@ -392,10 +391,14 @@ def test_mixed_bad_plan(device):
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16)
     with pytest.raises(ValueError, match="num_decodes"):
         attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=3, max_q_len=4)
-    with pytest.raises(RuntimeError, match="plan"):
-        attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    with pytest.raises(TypeError, match="plan"):
+        attn.run(None, batch["q"], batch["k_cache"], batch["v_cache"])
+    old = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=1, max_q_len=4)
+    attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=0, max_q_len=4)
+    with pytest.raises(ValueError, match="latest plan"):
+        attn.run(old, batch["q"], batch["k_cache"], batch["v_cache"])
     with pytest.raises(ValueError, match="head_dim|num_q_heads"):
-        MixedAttention(4, 3, 64, 16, torch.float16, device, 4, 4)
+        Attention(4, 3, 64, 16, torch.float16, device, 4, 4)
 
 
 # -- ahead-of-time compile for Hopper (no GPU needed) ------------------------------------------
@@ -406,7 +409,7 @@ def test_sm90_table_config_compiles_without_spills():
     window and a soft-cap (checked on the CPU with Triton's bundled ptxas)."""
     import dataclasses
 
-    from evenkv.extend import extend_config
+    from evenkv.configs import extend_config
     cfg = dataclasses.asdict(extend_config("sm90", 128, 8, 4096))
     base = dict(NUM_KV_HEADS=4, G=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                 PAGE_SIZE=16, CAUSAL=True, HAS_NEW=False, WINDOW=False, SOFTCAP=False, BLOCK_B=256,
@@ -521,10 +524,10 @@ def test_gpu_mixed_batch_and_graph(no_tf32):
     prefixes = [int(x) for x in torch.randint(1, 9000, (48,), generator=torch.Generator().manual_seed(0))]
     prefixes += [16000, 0, 4000]
     batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=13)
-    attn = MixedAttention(hq, hkv, d, ps, dtype, "cuda", max_batch_size=64,
-                          max_pages_per_request=batch["page_table"].shape[1])
-    attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=48, max_q_len=2048)
-    out = attn.run(batch["q"], batch["k_cache"], batch["v_cache"])
+    attn = Attention(hq, hkv, d, ps, dtype, "cuda", max_batch_size=64,
+                     max_pages_per_request=batch["page_table"].shape[1])
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=48, max_q_len=2048)
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
     ref, lowp = reference_pair(batch, ps, max_scores=1 << 28)
     assert_tolerance(out, ref, lowp, dtype)
 
@@ -535,13 +538,13 @@ def test_gpu_mixed_batch_and_graph(no_tf32):
     page_table = batch["page_table"][:nd].clone()
     q = batch["q"][:nd].clone()
     out = torch.empty_like(q)
-    attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
-    attn.run(q, batch["k_cache"], batch["v_cache"], out=out)  # warm up (compile) outside the graph
+    plan = attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
+    attn.run(plan, q, batch["k_cache"], batch["v_cache"], out=out)  # warm up (compile) outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
-        attn.run(q, batch["k_cache"], batch["v_cache"], out=out)
+        plan = attn.plan(cu, seq_lens, page_table, num_decodes=nd, max_q_len=1)
+        attn.run(plan, q, batch["k_cache"], batch["v_cache"], out=out)
     for step in range(3):
         gen = torch.Generator().manual_seed(100 + step)
         new_lens = torch.randint(1, 9000, (nd,), generator=gen).to(torch.int32)

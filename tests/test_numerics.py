@@ -173,8 +173,8 @@ def test_decode_hostile_values(device, policy, deterministic):
     q, kc, vc, seq_lens, pt = decode_batch(DECODE_BATCH, dtype, device)
     attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, dtype, device, 8, pt.shape[1], policy, sm_scale=SM_SCALE,
                                   num_ctas=5, deterministic=deterministic)
-    attn.plan(seq_lens, pt)
-    out = attn.run(q, kc, vc)
+    plan = attn.plan(seq_lens, pt)
+    out = attn.run(plan, q, kc, vc)
     check_decode(out, q, kc, vc, seq_lens, pt, [k for k, _ in DECODE_BATCH])
 
 

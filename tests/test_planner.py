@@ -29,7 +29,7 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
     page_table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=device)
     plan = attn.plan(seq_lens, page_table)
     cfg = attn.config
-    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n)
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
     active = s.active_req[:len(want["active_req"])].cpu().numpy()
@@ -41,7 +41,7 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
 
 
 def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
-    pieces, writes = simulate_stream(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    pieces, writes = simulate_stream(want, num_ctas, num_kv_heads, cfg.block_n)
     # Every tile of every non-empty segment is covered exactly once.
     covered = {}
     for mine in pieces:
@@ -51,21 +51,17 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
     expected = {(b, h, t) for b, n in enumerate(want["seq_lens"]) for h in range(num_kv_heads)
                 for t in range(-(-int(n) // cfg.block_n))}
     assert set(covered) == expected and all(v == 1 for v in covered.values())
-    # Equal pieces: CTA c owns exactly `piece` cost units (tail CTAs fewer). Its tiles fill
-    # them except for the fixed overhead of each segment it touches (+1 for an overhead
-    # run cut by its start), so any two full CTAs differ by at most those overheads.
-    piece, ovh = want["piece"], cfg.segment_overhead
+    # Equal pieces: CTA c walks exactly `piece` tiles (the tail CTAs fewer).
+    piece = want["piece"]
     for c, mine in enumerate(pieces):
         tiles = sum(t1 - t0 for _, _, t0, t1 in mine)
-        assert tiles <= piece
-        if (c + 1) * piece <= want["total"]:
-            assert tiles >= piece - ovh * (len(mine) + 1)
+        assert tiles == max(min(piece, want["total"] - c * piece), 0)
     # The merges read exactly the partial slots that were written, and nothing else.
     written = {}
     for kind, b, h, slot in writes:
         if kind == "partial":
             written.setdefault((b, h), []).append(slot)
-    reads = stream_merge_reads(want, num_kv_heads, cfg.block_n, cfg.segment_overhead)
+    reads = stream_merge_reads(want, num_kv_heads, cfg.block_n)
     assert {k: sorted(v) for k, v in written.items()} == {k: sorted(v) for k, v in reads.items()}
     slots = [s for v in written.values() for s in v]
     assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
@@ -79,8 +75,7 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         assert len(counters) == len(set(counters)) and all(0 <= c < num_ctas for c in counters)
         for group, head_dim in MERGE_SHAPES:
             consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False)
-            shares = stream_merge_shares(want, num_ctas, num_kv_heads, cfg.block_n, cfg.segment_overhead,
-                                         fused_pieces, consts)
+            shares = stream_merge_shares(want, num_ctas, num_kv_heads, cfg.block_n, fused_pieces, consts)
             assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
             for key, parts in shares.items():
                 cover = np.zeros((group, head_dim), dtype=np.int64)
@@ -121,12 +116,12 @@ def test_stream_merge_shares_many_pieces(device, num_ctas):
 
 
 def test_stream_plan_worked_example():
-    """The worked example of evenkv.kernels.plan's docstring (Hkv 1, BLOCK_N 16, overhead 1, C 4)."""
-    want = stream_plan([100, 0, 20], 1024, 4, 1, 16, 1)
-    assert want["req_cost_start"].tolist() == [0, 8, 8, 11]
+    """The worked example of evenkv.kernels.plan's docstring (Hkv 1, BLOCK_N 16, C 4)."""
+    want = stream_plan([100, 0, 20], 1024, 4, 1, 16)
+    assert want["req_cost_start"].tolist() == [0, 7, 7, 9]
     assert want["active_req"].tolist() == [0, 2]
-    assert want["cta_start"].tolist() == [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [1, 2, 20, 8]]
-    assert (want["piece"], want["total"]) == (3, 11)
+    assert want["cta_start"].tolist() == [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [2, 3, 0, 9]]
+    assert (want["piece"], want["total"]) == (3, 9)
 
 
 # Zeros, ones, ordinary and capacity-sized lengths, and hostile ones: negative (clamped to 0)

@@ -19,7 +19,7 @@ and is driven per sweep point as
 
 so every implementation reads the same data, in the same page placement, through its
 own usual index format. Peers are imported by their normal module paths (on the H200
-the peers kit of ``shared/device`` provides them); no peer source lives in this repo.
+the device kit of peers provides them); no peer source lives in this repo.
 """
 
 import functools

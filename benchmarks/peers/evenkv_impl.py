@@ -2,11 +2,8 @@
 
 Variant names: ``<policy>`` uses the arch table evenkv picks for this device (the one
 the headline numbers are about); ``<policy>@sm80`` / ``<policy>@sm90`` force a table
-(skipped where it is the one picked anyway); ``balanced-det`` is the batch-invariant
-mode, offered only when the API has a ``deterministic`` argument.
+(skipped where it is the one picked anyway); ``balanced-det`` is the batch-invariant mode.
 """
-
-import inspect
 
 from . import Runner
 
@@ -28,11 +25,6 @@ def version() -> str:
     return getattr(evenkv, "__version__", "")
 
 
-def has_deterministic() -> bool:
-    import evenkv
-    return "deterministic" in inspect.signature(evenkv.DecodeAttention).parameters
-
-
 def variants(ctx):
     import evenkv
     auto = evenkv.resolve_arch(None, ctx.device)
@@ -40,8 +32,7 @@ def variants(ctx):
     for policy in POLICIES:
         out.append((policy, True))
         out += [(f"{policy}@{arch}", True) for arch in ARCHES if arch != auto]
-    if has_deterministic():
-        out.append(("balanced-det", True))
+    out.append(("balanced-det", True))
     return out
 
 
@@ -60,11 +51,7 @@ class EvenkvRunner(Runner):
     def __init__(self, variant, ctx):
         import evenkv
         policy, arch, det = parse_variant(variant)
-        kwargs = {"arch": arch}
-        if det:
-            if not has_deterministic():
-                raise NotImplementedError("this evenkv has no deterministic= argument")
-            kwargs["deterministic"] = True
+        kwargs = {"arch": arch, "deterministic": det}
         s = ctx.shape
         self.attn = evenkv.DecodeAttention(s.num_q_heads, s.num_kv_heads, s.head_dim, ctx.page_size, ctx.dtype,
                                            ctx.device, ctx.max_batch, ctx.max_pages, policy,
@@ -82,10 +69,10 @@ class EvenkvRunner(Runner):
         self.k, self.v = batch.k_slots, batch.v_slots
 
     def plan(self):
-        self.attn.plan(self.batch.seq_lens, self.batch.page_table)
+        self.decode_plan = self.attn.plan(self.batch.seq_lens, self.batch.page_table)
 
     def run(self):
-        self.attn.run(self.batch.q, self.k, self.v, out=self.batch.out)
+        self.attn.run(self.decode_plan, self.batch.q, self.k, self.v, out=self.batch.out)
 
 
 def make(variant, ctx):

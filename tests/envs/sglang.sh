@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# CPU test venv for the SGLang integration (issue 8): real SGLang 0.5.17 classes on CPU torch.
+# CPU test venv for the SGLang integration: real SGLang classes on CPU torch.
 #
 # usage: bash tests/envs/sglang.sh VENV_DIR
-#   then: PYTHONPATH=tests/stubs TRITON_INTERPRET=1 VENV_DIR/bin/python -m pytest tests/test_sglang_integration.py
-#   (tests/test_sglang_integration.py puts tests/stubs on sys.path itself; the variable is only
-#   needed to import sglang by hand.)
+#   then: VENV_DIR/bin/python -m pytest tests/engines/test_sglang_integration.py
+#   (the test puts tests/stubs on sys.path itself; to import sglang by hand, set
+#   PYTHONPATH=tests/stubs TRITON_INTERPRET=1.)
 #
-# Recipe: shared/engine-interfaces.md section 3. torch 2.13.0 resolves to the CPU wheel the
-# machine keeps locally; sglang pins torch==2.11.0 and flashinfer, hence --no-deps for sglang.
+# torch 2.13.0: pip takes a local wheel where the machine keeps one, else the registry's; the
+# engine pins torch==2.11.0 and flashinfer, hence --no-deps for sglang.
 # numpy < 2.4: numpy 2.4 breaks triton 3.6's interpreter. Idempotent: re-running on an
 # existing venv only re-checks the pins. Takes ~1.5 min and ~2.3 GB on a fresh machine.
 set -euo pipefail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# CPU test environment for the vLLM integration (tests/test_vllm_integration.py).
+# CPU test environment for the vLLM integration (tests/engines/test_vllm_integration.py).
 #
 #   bash tests/envs/vllm.sh VENV_DIR        # e.g. .venv-vllm (git-ignored)
-#   VENV_DIR/bin/python -m pytest tests/test_vllm_integration.py
+#   VENV_DIR/bin/python -m pytest tests/engines/test_vllm_integration.py
 #
 # Makes a venv with the CPU torch 2.13.0 wheel, triton 3.6 (its interpreter runs the
 # kernels on CPU with TRITON_INTERPRET=1), numpy < 2.4 (2.4 breaks that interpreter),
@@ -10,8 +10,7 @@
 # which a CPU machine neither has nor needs) plus the pure-Python packages its
 # interface modules import, and this repo as an editable install, so the
 # `vllm.general_plugins` entry point is visible to `load_general_plugins()`.
-# Recipe and timings: shared/engine-interfaces.md section 3. Idempotent: rerunning it on
-# an existing venv only installs what is missing.
+# Idempotent: rerunning it on an existing venv only installs what is missing.
 # Knobs: PYTHON (default python3), VLLM_VERSION (default 0.26.0; 0.33.0 is the other
 # version checked).
 set -euo pipefail
@@ -29,11 +28,11 @@ t0=$SECONDS
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
-# 1. torch first, alone: a plain pin resolves to the CPU wheel this machine keeps on disk.
+# 1. torch first, alone (pip takes a local wheel where the machine keeps one, else the registry's).
 "${PIP[@]}" "torch==2.13.0"
 
 # 2. Test tools and the pure-Python modules vLLM's interface modules import
-#    (engine-interfaces.md section 3; installed *with* their deps, never --no-deps:
+#    (installed *with* their deps, never --no-deps:
 #    transformers/huggingface_hub/pydantic-core mismatch otherwise).
 "${PIP[@]}" "torch==2.13.0" "triton==3.6.0" "numpy<2.4" "pytest>=8" "hypothesis>=6.100" \
   "transformers==5.12.1" \

@@ -4,7 +4,7 @@ SGLang imports torchvision at module import time (``from torchvision.io import d
 and every torchvision wheel on PyPI links the CUDA torch libraries, so with a CPU torch the
 real package fails to import. This stub makes every ``torchvision`` and ``torchvision.*`` name
 an importable placeholder; calling one raises NotImplementedError. Put this folder's parent on
-``sys.path`` only for the SGLang tests (shared/engine-interfaces.md, Appendix A).
+``sys.path`` only for the SGLang tests .
 """
 
 import importlib.abc

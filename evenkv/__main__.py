@@ -1,0 +1,7 @@
+"""``python -m evenkv``: see ``evenkv.cli``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

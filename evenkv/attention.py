@@ -1,0 +1,211 @@
+"""``Attention``: the one object both engine adapters drive, once per batch and per layer.
+
+A batch is decode rows (q_len 1) first, then extend rows (prefill chunks, spec-verify
+rows): requests ``[0, num_decodes)`` own q rows ``[0, num_decodes)``. vLLM orders its
+batches that way; SGLang's batches are all decode (``num_decodes == B``) or all extend
+(``num_decodes == 0``). ``plan`` plans both parts once per batch; ``run`` runs them per
+layer and writes one output.
+
+CUDA-graph contract: ``plan`` and ``run`` launch GPU work only (no ``.item()``,
+``.cpu()``, host sync or data-dependent allocation; every buffer is allocated in
+``__init__``), so both can be captured. The extend grid is sized from host ints
+(``q.shape[0]``, ``max_q_len``, B, ``num_decodes``), so a captured run replays correctly
+for any lengths within the captured values. Under graphs pass the same persistent
+``cu_seqlens_q`` / ``seq_lens`` / ``page_table`` buffers to every ``plan`` and refill them
+in place.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import (check_attention_layout, check_batch_limits, check_policy, check_positive_int, check_tensor,
+                     output_like, resolve_device, resolve_sm_scale)
+from .configs import ExtendConfig, extend_config, resolve_arch
+from .decode import POLICIES, DecodeAttention, DecodePlan, debug_enabled
+from .extend import (SCHEDULES, ExtendPlan, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
+                     normalize_logit_cap, normalize_window, plan_extend, run_extend)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """One planned batch: what ``Attention.run`` executes.
+
+    batch_size: B. num_decodes: requests [0, num_decodes) (q rows [0, num_decodes)) are
+    decode rows. decode: their plan on the decode kernels, or None (no decode rows, or
+    ``decode_via_extend``: a sliding window or soft-cap, which the decode kernels do not
+    apply, sends them to the extend kernel). extend: the extend kernel's plan for the
+    other rows (None when every request is a decode row on the decode path).
+    Valid until the ``Attention`` that made it plans again.
+    """
+
+    batch_size: int
+    num_decodes: int
+    decode: DecodePlan | None
+    extend: ExtendPlan | None
+
+
+class Attention:
+    """Paged attention for batches of decode rows followed by extend rows.
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, max_batch_size,
+        max_pages_per_request, policy: as ``evenkv.DecodeAttention`` (policy applies to
+            the decode rows).
+        sm_scale: default softmax scale of ``run`` (1/sqrt(D) if None).
+        sliding_window, logit_cap: as ``evenkv.extend`` (None/0 = off). With either set,
+            decode rows also run in the extend kernel (q_len 1 is a valid extend row).
+        schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
+        arch, debug: as ``evenkv.DecodeAttention``.
+        decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``, ...).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
+                 sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
+                 schedule: str = "lpt", extend_config: ExtendConfig | None = None, arch: str | None = None,
+                 debug: bool | None = None, **decode_kwargs):
+        check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
+        check_positive_int("head_dim", head_dim)
+        check_head_dim(head_dim)
+        check_policy(policy, POLICIES)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        if extend_config is not None and not isinstance(extend_config, ExtendConfig):
+            raise TypeError(f"extend_config: expected ExtendConfig or None, got {type(extend_config).__name__}")
+        self.device = resolve_device(device)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group_size = num_q_heads // num_kv_heads
+        self.page_size, self.dtype = page_size, dtype
+        self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
+        self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
+        self.sliding_window = normalize_window(sliding_window)
+        self.logit_cap = normalize_logit_cap(logit_cap)
+        self.schedule = schedule
+        self.arch = resolve_arch(arch, self.device)
+        self._extend_config = extend_config
+        self.debug = debug_enabled(debug)
+        # The decode kernels apply neither a window nor a soft-cap: such layers decode in extend.
+        self.decode_via_extend = self.sliding_window is not None or self.logit_cap is not None
+        self.decode = None if self.decode_via_extend else DecodeAttention(
+            num_q_heads, num_kv_heads, head_dim, page_size, dtype, self.device, max_batch_size,
+            max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug, **decode_kwargs)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._order = torch.zeros(max_batch_size, **i32)
+        self._sorted_start = torch.zeros(max_batch_size, **i32)
+        self._plan: AttentionPlan | None = None
+
+    def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
+             num_decodes: int, max_q_len: int, seq_lens_cpu: torch.Tensor | None = None) -> AttentionPlan:
+        """Plan one batch. The returned plan is what ``run`` takes, for every layer; it stays
+        valid until this object plans again.
+
+        cu_seqlens_q: [B + 1] int32/int64 on this device; the first num_decodes requests
+            have q_len 1 (cu_seqlens_q[i] == i for i <= num_decodes).
+        seq_lens: [B] int32/int64 on this device, KV length including the new tokens.
+        page_table: [B, max_pages] int32 on this device, unit stride in the last dim.
+        num_decodes: host int in [0, B] (vLLM ``split_decodes_and_prefills``).
+        max_q_len: host int >= every q length of requests [num_decodes, B) (1 if none).
+        seq_lens_cpu: optional host copy of seq_lens ([B]); the decode rows' lengths are
+            then checked against the page table with no sync.
+        """
+        batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, self.device)
+        check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
+        for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected a host int, got {type(value).__name__}")
+        if not 0 <= num_decodes <= batch:
+            raise ValueError(f"num_decodes: expected an int in [0, B={batch}], got {num_decodes}")
+        if max_q_len < 0:
+            raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
+        if self.debug:
+            cu = cu_seqlens_q[:num_decodes + 1].cpu()
+            if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
+                raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
+                                 f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
+        use_decode = num_decodes > 0 and not self.decode_via_extend
+        decode_plan = None
+        if use_decode:
+            decode_plan = self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes],
+                                           seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_decodes])
+        extend_plan = None
+        req_begin = num_decodes if use_decode else 0
+        if req_begin < batch:
+            q_bound = max(max_q_len, 1 if num_decodes else 0)
+            config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
+            extend_plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=self.page_size,
+                                      group_size=self.group_size, max_q_len=q_bound, config=config,
+                                      schedule=self.schedule, req_begin=req_begin, order=self._order,
+                                      sorted_start=self._sorted_start)
+        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan)
+        return self._plan
+
+    def run(self, plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            sm_scale: float | None = None) -> torch.Tensor:
+        """Attention for the batch ``plan`` describes (this object's latest plan).
+
+        q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0, num_decodes)
+            are the decode rows.
+        k_cache, v_cache: [num_slots, Hkv, D] (any strides, unit stride in D) or
+            [num_pages, page_size, Hkv, D] when that views as slots (the decode kernel
+            addresses slots).
+        k_new, v_new: None or [total_q, Hkv, D], as ``evenkv.extend`` (used by the extend
+            rows; decode rows always read the cache, which must then hold their token).
+        out: optional [total_q, Hq, D]. sm_scale: this call's (a layer's) softmax scale,
+            default the constructor's.
+        Returns out; rows past cu_seqlens_q[-1] are not written.
+        """
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan: expected the AttentionPlan returned by plan(), got {type(plan).__name__}")
+        if plan is not self._plan:
+            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
+                             "buffers hold one plan at a time): plan this batch again")
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        total_q = q.shape[0]
+        if total_q < plan.num_decodes:
+            raise ValueError(f"q: expected at least num_decodes={plan.num_decodes} rows, got {total_q}")
+        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.dtype, device=self.device)
+        if k_cache.shape[-2:] != (hkv, d):
+            raise ValueError(f"k_cache: expected [..., Hkv={hkv}, D={d}], got shape {tuple(k_cache.shape)}")
+        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.dtype, device=self.device,
+                    shape=tuple(k_cache.shape))
+        if (k_new is None) != (v_new is None):
+            raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
+                             f" and v_new={'None' if v_new is None else 'a tensor'}")
+        if k_new is not None:
+            check_tensor("k_new", k_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+            check_tensor("v_new", v_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+        scale = self.sm_scale if sm_scale is None else resolve_sm_scale(sm_scale, d)
+        out = output_like(q, out)
+        if plan.batch_size == 0 or total_q == 0:
+            return out
+        ext = plan.extend
+        if self.debug and ext is not None:
+            check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
+                                  capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
+        if plan.decode is not None:
+            nd = plan.num_decodes
+            self.decode.run(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
+                            out=out[:nd], sm_scale=scale)
+        if ext is not None:
+            run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=True,
+                       sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+        return out
+
+
+def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """A [num_pages, page_size, Hkv, D] cache as [num_slots, Hkv, D] without a copy."""
+    if cache.dim() == 3:
+        return cache
+    try:
+        return cache.view(-1, cache.shape[2], cache.shape[3])
+    except RuntimeError as err:
+        raise ValueError(f"{name}: the decode rows need a cache that views as [num_slots, Hkv, D]; got shape "
+                         f"{tuple(cache.shape)} with strides {cache.stride()}") from err
+
+
+__all__ = ["Attention", "AttentionPlan"]

@@ -1,0 +1,226 @@
+"""Every per-architecture kernel configuration of evenkv, and the probe that picks a table.
+
+Tables:
+
+* decode (``decode_config``): one row per head-dim class (<= 64, <= 128, 256), plus a
+  second row for batches of many short segments (``many_segments_config``);
+* extend / prefill (``extend_config``): one row per head-dim class, shrunk for short batches.
+
+The arch is ``"sm80"`` (A100-class: SM80/86/89) or ``"sm90"`` (Hopper). An explicit
+``arch=`` argument, else ``EVENKV_ARCH=sm80|sm90``, else one cached probe of the device
+picks it; the Triton interpreter uses ``sm90``. Each table runs anywhere: an sm80 row runs
+on Hopper (slower), and the CPU lane tests both under the interpreter.
+
+Each row names the measurement behind it (a section of ``docs/tuning.md``). The decode
+kernels' persistent grid is not in the table: it is the SM count times the resident CTAs
+per SM that the compiled kernel's registers and shared memory allow, capped by
+``max_ctas_per_sm`` (``evenkv.kernels.decode_launch.persistent_grid``).
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+ARCHES = ("sm80", "sm90")
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def env_flag(name: str, value: bool | None = None) -> bool:
+    """An explicit argument wins; else the environment variable (anything but "" / "0" is on)."""
+    return value if value is not None else os.environ.get(name, "0") not in ("", "0")
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHES:
+        raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
+    return arch
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_arch(device_index: int) -> str:
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def resolve_arch(arch: str | None, device: torch.device) -> str:
+    """The config family for ``device``: explicit ``arch``, else EVENKV_ARCH, else the probe
+    (``sm90`` under the interpreter)."""
+    chosen = arch if arch is not None else os.environ.get("EVENKV_ARCH") or None
+    if chosen is not None:
+        return check_arch(chosen)
+    if device.type != "cuda" or is_interpreter():
+        return "sm90"
+    return _probe_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def head_dim_class(head_dim: int) -> str:
+    """The table key of a head dim: ``"d64"`` (<= 64), ``"d128"`` (<= 128) or ``"d256"``."""
+    return "d64" if head_dim <= 64 else "d128" if head_dim <= 128 else "d256"
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Compile-time shape of the decode kernels for one arch and head-dim class.
+
+    block_n: KV tokens per tile (the unit of work and of the balanced partition).
+    num_warps / num_stages: of the decode kernels (stages = loads in flight per CTA).
+    max_ctas_per_sm: cap on resident persistent CTAs per SM.
+    max_registers: per-thread register cap of the decode kernels (ptx .maxnreg), or None
+        for the compiler's choice; a lower cap fits more resident CTAs per SM.
+    programmatic_launch: launch the balanced policy's merge kernel as a programmatic
+        dependent of the decode kernel (sm90+; ignored on older GPUs and the interpreter).
+    """
+
+    name: str
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_ctas_per_sm: int
+    max_registers: int | None = None
+    programmatic_launch: bool = False
+
+
+_DECODE = {
+    # sm80: Ampere's two cp.async stages and two CTAs per SM (164 KiB shared memory), tiles
+    # of 32 KiB of K and V as on sm90; not timed on an A100 (docs/tuning.md, "sm80").
+    "sm80": {
+        "d64": DecodeConfig("sm80-d64", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+        "d128": DecodeConfig("sm80-d<=128", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+        "d256": DecodeConfig("sm80-d256", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+    },
+    "sm90": {
+        # docs/tuning.md "Decode, head dim 64": block_n 128 at 112 registers, no spills.
+        "d64": DecodeConfig("sm90-d64", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                            max_registers=112, programmatic_launch=True),
+        # docs/tuning.md "Decode, the main sm90 row": best worst point of 36 candidates;
+        # 128 registers fit 4 CTAs per SM.
+        "d128": DecodeConfig("sm90-d<=128", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                             max_registers=128, programmatic_launch=True),
+        # docs/tuning.md "Decode, head dim 256": 168 registers fit 3 CTAs per SM.
+        "d256": DecodeConfig("sm90-d256", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                             max_registers=168, programmatic_launch=True),
+    },
+}
+
+# Head dim 256 at page sizes >= PAGED_MIN_PAGE (docs/tuning.md "Decode, head dim 256"):
+# 2 stages in 128 registers, 4 CTAs per SM.
+PAGED_MIN_PAGE = 16
+_DECODE_PAGED = {
+    "sm90": {
+        "d256": DecodeConfig("sm90-d256-paged", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=4,
+                             max_registers=128, programmatic_launch=True),
+    },
+}
+
+# Batches of at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of the main
+# grid are bound by each CTA's iterations, not its bytes: more, smaller CTAs win there
+# (docs/tuning.md "Decode, many short segments"). Each row with the smallest page size it serves.
+MANY_SEGMENTS_PER_CTA = 10
+_DECODE_MANY_SEGMENTS = {
+    "sm90": {
+        "d64": (1, DecodeConfig("sm90-d64-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=8,
+                                max_registers=64, programmatic_launch=True)),
+        "d128": (16, DecodeConfig("sm90-d<=128-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=5,
+                                  max_registers=96, programmatic_launch=True)),
+    },
+}
+
+
+def decode_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` and ``page_size``."""
+    key = head_dim_class(head_dim)
+    if page_size >= PAGED_MIN_PAGE and key in _DECODE_PAGED.get(check_arch(arch), {}):
+        return _DECODE_PAGED[arch][key]
+    return _DECODE[arch][key]
+
+
+def many_segments_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig | None:
+    """The balanced policy's config for batches of many short segments, or None where the
+    main row serves every batch (sm80, head dim 256, head dim 128 at page size < 16)."""
+    min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(head_dim_class(head_dim), (None, None))
+    return config if config is not None and page_size >= min_page else None
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Compile-time shape of the extend kernel.
+
+    block_m: packed (query, head) rows per program (PackGQA: block_m / G queries).
+    block_n: KV tokens per inner tile.
+    num_warps / num_stages: of the extend kernel. K/V loads wait on their tile's page-table
+        load, so Triton's pipeliner keeps (num_stages - 1) // 2 K/V tiles in flight.
+    """
+
+    name: str
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+_EXTEND = {
+    # docs/tuning.md "Extend": 5 stages (two K/V tiles in flight) against 3 or 7, measured at
+    # head dims 64 and 128; d256 follows the rule, compiled without spills, not timed.
+    "sm90": {
+        "d64": ExtendConfig("sm90-d64", block_m=128, block_n=64, num_warps=8, num_stages=5),
+        "d128": ExtendConfig("sm90-d128", block_m=128, block_n=64, num_warps=8, num_stages=5),
+        "d256": ExtendConfig("sm90-d256", block_m=64, block_n=32, num_warps=8, num_stages=5),
+    },
+    # Ampere's two stages; fit checked by compiling for sm_80, not timed.
+    "sm80": {
+        "d64": ExtendConfig("sm80-d64", block_m=128, block_n=64, num_warps=8, num_stages=2),
+        "d128": ExtendConfig("sm80-d128", block_m=128, block_n=32, num_warps=8, num_stages=2),
+        "d256": ExtendConfig("sm80-d256", block_m=64, block_n=32, num_warps=8, num_stages=2),
+    },
+}
+
+# Short batches (decode-like or spec-verify rows: max_q_len * G small) use a smaller
+# block_m so a program is not mostly padding; 16 is the MMA minimum. Blocks of 16 / 32
+# rows run on 4 warps; 64 keeps the table's warps (4 warps spill at 5 stages).
+EXTEND_SMALL_BLOCK_M = (16, 32, 64)
+
+# The candidates benchmarks/prefill.py --sweep-configs times, (block_m, block_n, num_warps,
+# num_stages), each compiled without spills for sm_90a at head dim 128.
+EXTEND_CONFIG_CANDIDATES = (
+    (128, 64, 8, 3), (128, 64, 8, 5), (128, 64, 8, 7), (64, 32, 4, 5), (64, 32, 4, 7), (64, 32, 8, 5),
+)
+
+
+def extend_config(arch: str, head_dim: int, group_size: int, max_q_len: int) -> ExtendConfig:
+    """The extend config of ``arch`` for ``head_dim``, shrunk for short batches: block_m
+    becomes the smallest of EXTEND_SMALL_BLOCK_M that holds max_q_len * G rows when that is
+    below the table's block_m (one program then covers every row of a request)."""
+    base = _EXTEND[check_arch(arch)][head_dim_class(head_dim)]
+    rows = max_q_len * group_size
+    for small in EXTEND_SMALL_BLOCK_M:
+        if rows <= small < base.block_m:
+            return ExtendConfig(f"{base.name}-m{small}", block_m=small, block_n=base.block_n,
+                                num_warps=4 if small < 64 else base.num_warps, num_stages=base.num_stages)
+    return base
+
+
+def extend_configs(arch: str, head_dim: int, group_size: int) -> tuple[ExtendConfig, ...]:
+    """Every config ``extend_config`` can return for this shape (what start-up compiles)."""
+    q_lens = {1, 1 << 20} | {rows // group_size for rows in EXTEND_SMALL_BLOCK_M if rows >= group_size}
+    configs = {}
+    for max_q_len in sorted(q_lens):
+        config = extend_config(arch, head_dim, group_size, max_q_len)
+        configs.setdefault(config.name, config)
+    return tuple(configs.values())

@@ -1,0 +1,355 @@
+"""Decode attention (one query token per request): ``DecodeAttention`` plans once per
+batch and runs once per layer; ``decode`` and ``write_kv`` are one-shot helpers.
+
+CUDA-graph contract: ``plan`` and ``run`` launch GPU work only (no ``.item()``, no
+``.cpu()``, no host sync, no allocation that depends on data), so both can be captured.
+A plan records the addresses of ``seq_lens`` and ``page_table``; under graphs pass the
+same persistent buffers each time and refill them in place. Host-side checks that need
+data (lengths against the page table, page indices against the cache) run only when the
+lengths are already on the host (``seq_lens_cpu=``) or in debug mode (``debug=True`` or
+``EVENKV_DEBUG=1``), which syncs. Without them, lengths are clamped to the page table on
+the GPU, so no kernel ever reads past a page-table row.
+"""
+
+import dataclasses
+
+import torch
+
+from evenkv.kernels import decode_launch as launch
+
+from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
+                     check_page_table, check_policy, check_positive_int, check_tensor, output_like, resolve_device,
+                     resolve_sm_scale)
+from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, env_flag, is_interpreter,
+                      many_segments_config, num_sms, resolve_arch)
+from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
+                       plan_chunked_units, plan_fa3_units)
+
+POLICIES = ("balanced", "fa3", "none")
+# Under the interpreter there are no SMs: a small fake grid makes the schedules cut
+# requests (and so exercise the merges) on tiny test batches.
+INTERPRETER_SMS = 2
+INTERPRETER_CTAS_PER_SM = 2
+
+
+def debug_enabled(debug: bool | None) -> bool:
+    return env_flag("EVENKV_DEBUG", debug)
+
+
+class DecodeAttention:
+    """Paged GQA decode attention (q_len 1) with a load-balanced persistent schedule.
+
+    Args:
+        num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv; G = Hq / Hkv).
+        head_dim: D, one of 64, 80, 96, 128, 256.
+        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks).
+        dtype: torch.float16 or torch.bfloat16 (q, caches and output).
+        device: the CUDA device every workspace lives on (or the CPU under the Triton
+            interpreter, ``TRITON_INTERPRET=1``).
+        max_batch_size: largest B that ``plan`` accepts; sizes the workspaces.
+        max_pages_per_request: largest page-table width ``plan`` accepts.
+        policy: ``"balanced"`` (default), ``"fa3"`` or ``"none"`` (``evenkv.schedule``).
+        sm_scale: default softmax scale of ``run``, 1/sqrt(D) if None.
+        arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
+        num_ctas: persistent grid size; default SM count x resident CTAs per SM.
+        config: a DecodeConfig replacing the arch table's (tuning and tests).
+            Unless ``config`` or ``num_ctas`` is given, the balanced policy plans batches of
+            many short segments with the table's second row and its own grid
+            (``evenkv.configs.many_segments_config``; ``launch_config`` says which).
+        deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
+            by its own length only and its pieces are merged in a fixed order, so its output
+            is bitwise the same whatever else is in the batch. Allocates max_batch_size x 16
+            partial slots per KV head. Default: EVENKV_DETERMINISTIC.
+        debug: validate lengths and page indices on the host before each launch (syncs).
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
+                 sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
+                 config: DecodeConfig | None = None, deterministic: bool | None = None,
+                 debug: bool | None = None):
+        check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
+        check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
+        check_policy(policy, POLICIES)
+        if num_ctas is not None:
+            check_positive_int("num_ctas", num_ctas)
+        if config is not None and not isinstance(config, DecodeConfig):
+            raise TypeError(f"config: expected DecodeConfig or None, got {type(config).__name__}")
+        deterministic = env_flag("EVENKV_DETERMINISTIC", deterministic)
+        if deterministic and policy == "fa3":
+            raise ValueError("deterministic: expected policy 'balanced' or 'none', got 'fa3' (its splits depend "
+                             "on the whole batch's work, so a request's result would depend on its neighbours)")
+        # How the work is scheduled: a stream-K cost line, a queue of (request, split, head)
+        # units, or one program per (request, head).
+        self._kind = "direct" if policy == "none" else ("units" if policy == "fa3" or deterministic else "stream")
+        self.deterministic = deterministic
+        self.device = resolve_device(device)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group_size = num_q_heads // num_kv_heads
+        self.page_size, self.dtype, self.policy = page_size, dtype, policy
+        self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
+        self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
+        self.arch = resolve_arch(arch, self.device)
+        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size)
+        self.debug = debug_enabled(debug)
+        self._on_gpu = self.device.type == "cuda" and not is_interpreter()
+        self.num_sms = num_sms(self.device.index) if self._on_gpu else INTERPRETER_SMS
+        # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
+        self._pdl_capable = self._on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
+        self._plan: DecodePlan | None = None
+        self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        # Batches of many short segments: the table's second row and its grid (see launch_config).
+        many = None
+        if self._kind == "stream" and config is None and num_ctas is None:
+            many = many_segments_config(self.arch, head_dim, page_size)
+        self.num_ctas = num_ctas if num_ctas is not None else self._default_grid(self.config)
+        self._many = (many, self._default_grid(many)) if many is not None else None
+        self._max_ctas = max(self.num_ctas, self._many[1] if self._many else 0)
+        self._schedule = self._allocate_schedule()
+        # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
+        grids = (self.num_ctas,) + ((self._many[1],) if self._many else ())
+        self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
+                                for c in grids} if self._kind == "stream" else {}
+        slots = self._partial_slots()
+        self._o_part = torch.empty(slots * self.group_size * head_dim, dtype=torch.float32, device=self.device)
+        self._lse_part = torch.empty(slots * self.group_size, dtype=torch.float32, device=self.device)
+
+    # -- workspaces ---------------------------------------------------------------
+
+    def _allocate_schedule(self):
+        i32 = dict(dtype=torch.int32, device=self.device)
+        b = self.max_batch_size
+        if self._kind == "stream":
+            # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
+            self._merge_counters = torch.zeros(self._max_ctas, **i32)
+            return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self._max_ctas, 4, **i32),
+                                  torch.zeros(4, **i32), self.num_ctas)
+        if self._kind == "units":
+            units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
+            # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
+            self._queue = torch.zeros(2, **i32)
+            return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
+                                torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32), self.num_ctas)
+        return None
+
+    def _partial_slots(self) -> int:
+        """Partial (O, LSE) slots: two per CTA for the stream (its first and last segment
+        may be cut; for the larger of its grids), one per (split, head) unit for the unit
+        queue, none for direct."""
+        if self._kind == "stream":
+            return 2 * self._max_ctas
+        if self._kind == "units":
+            return self._schedule.unit_req.shape[0] * self.num_kv_heads
+        return 0
+
+    def _use_pdl(self, config: DecodeConfig) -> bool:
+        return config.programmatic_launch and self._pdl_capable
+
+    def launch_config(self, batch_size: int) -> tuple[DecodeConfig, int]:
+        """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests:
+        the balanced policy's many-segments row where it has one and the batch has at least
+        MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of the main grid, else
+        ``(self.config, self.num_ctas)``."""
+        if self._many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * self.num_ctas:
+            return self._many
+        return self.config, self.num_ctas
+
+    def _default_grid(self, config: DecodeConfig) -> int:
+        """SMs x the resident CTAs per SM of ``config``'s decode kernel."""
+        if not self._on_gpu:
+            return self.num_sms * INTERPRETER_CTAS_PER_SM
+        compiled = self._compile(config, self._dummy_inputs())
+        return self.num_sms * min(launch.resident_ctas_per_sm(compiled, self.device), config.max_ctas_per_sm)
+
+    def _dummy_inputs(self) -> dict:
+        """Tensors shaped like a one-request batch (q [1, Hq, D], caches of one page)."""
+        dev, d = self.device, self.head_dim
+        cache = torch.zeros(self.page_size, self.num_kv_heads, d, dtype=self.dtype, device=dev)
+        q = torch.zeros(1, self.num_q_heads, d, dtype=self.dtype, device=dev)
+        return dict(q=q, k_cache=cache, v_cache=cache, out=torch.empty_like(q),
+                    page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))
+
+    def _compile(self, config: DecodeConfig, t: dict):
+        """Compile (without launching) this policy's decode kernel for ``config`` on tensors
+        laid out like ``t``'s; returns the compiled kernel."""
+        i32 = dict(dtype=torch.int32, device=self.device)
+        lens = torch.zeros(1, **i32)
+        scratch = torch.empty(1, dtype=torch.float32, device=self.device)
+        if self._kind == "stream":
+            return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
+                                               lens, t["page_table"], torch.zeros(1, 2, **i32),
+                                               torch.zeros(1, 4, **i32), torch.zeros(4, **i32), 1.0, 1,
+                                               self.page_size, config, self._use_pdl(config), warmup=True)
+        return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
+                                          t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), 1.0,
+                                          1, self._kind == "units", self.page_size, config, warmup=True)
+
+    # -- plan -------------------------------------------------------------------
+
+    def plan(self, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
+             seq_lens_cpu: torch.Tensor | None = None) -> DecodePlan:
+        """Plan one batch. The returned plan is what ``run`` takes; it stays valid until
+        this object plans again (its schedule lives in this object's buffers).
+
+        seq_lens: [B] int32/int64 on this device, KV tokens of each request (0 = padding row).
+        page_table: [B, max_pages] int32 on this device, unit stride in the last dim; page ids.
+        seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
+            the page table with no sync.
+        """
+        check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=self.device)
+        batch = seq_lens.shape[0]
+        check_page_table(page_table, batch, self.device)
+        check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
+        capacity = page_table.shape[1] * self.page_size
+        if seq_lens_cpu is not None:
+            check_lengths(seq_lens_cpu, capacity)
+        elif self.debug:
+            check_lengths(seq_lens.cpu(), capacity)
+        plan_seq_lens = self._plan_seq_lens[:batch]
+        config, ctas = self.launch_config(batch)
+        schedule = self._schedule
+        if batch > 0 and self._kind == "stream":
+            schedule = self._grid_schedules[ctas]
+            launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
+                                      schedule.plan_scalars, capacity, ctas, self.num_sms, self.num_kv_heads,
+                                      config.block_n)
+        elif batch > 0:
+            plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
+            if self.policy == "fa3":
+                plan_fa3_units(plan_seq_lens, self._schedule, block_n=config.block_n,
+                               num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
+            elif self._kind == "units":
+                plan_chunked_units(plan_seq_lens, self._schedule, block_n=config.block_n,
+                                   num_kv_heads=self.num_kv_heads)
+        self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config)
+        return self._plan
+
+    # -- run --------------------------------------------------------------------
+
+    def run(self, plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+            out: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+        """Decode attention for the batch ``plan`` describes (the last one planned).
+
+        q: [B, Hq, D] (dtype of this object; unit stride in D).
+        k_cache, v_cache: [num_slots, Hkv, D], any strides but unit stride in D;
+            slot = page * page_size + offset.
+        out: optional [B, Hq, D] output (dtype of q).
+        sm_scale: softmax scale of this call (a layer's); default the constructor's.
+        Returns out: [B, Hq, D]; rows of requests with seq_len 0 are zeros.
+        """
+        self.check_plan(plan)
+        b, hq, hkv, d = plan.batch_size, self.num_q_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.dtype,), device=self.device,
+                     last_dim_contiguous=True)
+        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.dtype,), device=self.device,
+                     last_dim_contiguous=True)
+        scale = self.sm_scale if sm_scale is None else resolve_sm_scale(sm_scale, d)
+        out = output_like(q, out)
+        if b == 0:
+            return out
+        if self.debug:
+            check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0])
+        s = plan.schedule
+        if self._kind == "stream":
+            pdl = self._use_pdl(plan.config)
+            launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
+                                        plan.seq_lens, plan.page_table, s.active_req,
+                                        s.cta_start, s.plan_scalars, scale, s.num_ctas, self.page_size,
+                                        plan.config, pdl)
+            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, s.num_ctas,
+                                       hkv, plan.config, pdl)
+        elif self._kind == "units":
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
+                                       plan.page_table, s.unit_req, s.unit_split, s.req_splits,
+                                       s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,
+                                       self.page_size, plan.config)
+            launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base, hkv)
+        else:
+            # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
+                                       plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
+                                       plan.seq_lens, plan.seq_lens, scale, b * hkv, False, self.page_size,
+                                       plan.config)
+        return out
+
+    def check_plan(self, plan) -> None:
+        """``plan`` must be this object's latest plan: older plans' schedules are overwritten."""
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan: expected the DecodePlan returned by plan(), got {type(plan).__name__}")
+        if plan is not self._plan:
+            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
+                             "schedule buffers hold one plan at a time): plan this batch again")
+
+
+def check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
+    """Host lengths [B] must lie in [0, capacity] (the page table's reach)."""
+    if seq_lens_cpu.numel() == 0:
+        return
+    lo, hi = int(seq_lens_cpu.min()), int(seq_lens_cpu.max())
+    if lo < 0:
+        raise ValueError(f"seq_lens: expected lengths >= 0, got {lo}")
+    if hi > capacity:
+        raise ValueError(f"seq_lens: expected lengths <= page_table capacity {capacity} "
+                         f"(max_pages x page_size), got {hi}")
+
+
+def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_slots: int) -> None:
+    """Debug (syncs): every page a request reads ([B, max_pages] table, [B] clamped lengths)
+    must lie inside a cache of ``num_slots`` slots."""
+    num_pages = num_slots // page_size
+    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < \
+        ((seq_lens + page_size - 1) // page_size)[:, None]
+    pages = page_table[used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        bad = pages[(pages < 0) | (pages >= num_pages)][0].item()
+        raise ValueError(f"page_table: expected page ids in [0, {num_pages}) for a cache of {num_slots} slots "
+                         f"with page_size {page_size}, got {bad}")
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+           page_table: torch.Tensor, page_size: int, *, policy: str = "balanced", sm_scale: float | None = None,
+           out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
+
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D]; seq_lens [B] int; page_table
+    [B, max_pages] int32. Returns [B, Hq, D]. Serving code should keep one
+    DecodeAttention and reuse it (this allocates workspaces and compiles on first use).
+    """
+    check_tensor("q", q, shape=(None, None, None))
+    check_tensor("k_cache", k_cache, shape=(None, None, None))
+    check_tensor("page_table", page_table, shape=(None, None))
+    attn = DecodeAttention(q.shape[1], k_cache.shape[1], q.shape[2], page_size, q.dtype, q.device,
+                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale, **kwargs)
+    return attn.run(attn.plan(seq_lens, page_table), q, k_cache, v_cache, out=out)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new tokens into the paged cache, in place.
+
+    k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D); k_new, v_new: [N, Hkv, D]
+    (any float dtype, cast to the cache's); slot_mapping: [N] int32/int64, slot of each
+    token, negative = skip (padding). Slots are not range-checked on the GPU; with
+    EVENKV_DEBUG=1 they are checked on the host first.
+    """
+    check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
+    dev, (num_slots, hkv, d) = resolve_device(k_cache.device), k_cache.shape
+    check_tensor("v_cache", v_cache, shape=(num_slots, hkv, d), dtypes=(k_cache.dtype,), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtypes=INDEX_DTYPES, device=dev)
+    n = slot_mapping.shape[0]
+    check_tensor("k_new", k_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("v_new", v_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
+                 last_dim_contiguous=True)
+    if n == 0:
+        return
+    if debug_enabled(None):
+        hi = int(slot_mapping.max())
+        if hi >= num_slots:
+            raise ValueError(f"slot_mapping: expected slots < num_slots={num_slots}, got {hi}")
+    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping)
+
+
+__all__ = ["DecodeAttention", "DecodePlan", "decode", "write_kv", "POLICIES"]

@@ -1,0 +1,273 @@
+"""The public extend / prefill API: ``extend`` (one call per layer) and the extend plan.
+
+Extend attention is what the engines run for every step that is not pure decode: a
+prompt's prefill (often chunked, on top of a cached prefix), speculative-verify rows
+(q_len > 1) and the prefill part of mixed batches (``evenkv.Attention``).
+
+CUDA-graph contract: ``plan_extend`` and ``run_extend`` launch GPU work only (no
+``.item()``, ``.cpu()``, host sync or data-dependent allocation); the grid is sized
+from host ints (``q.shape[0]``, ``max_q_len``, the batch size), so a captured launch
+replays correctly for any lengths within those bounds. ``extend`` allocates its small
+plan buffers (and ``out`` unless given) on each call: serving code keeps an
+``evenkv.Attention``, which plans once per batch and reuses its buffers across layers and
+under graphs.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from evenkv.kernels import extend_launch as launch
+
+from .checks import (INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_page_table,
+                     check_positive_int, check_tensor, output_like, resolve_device, resolve_sm_scale)
+from .configs import ExtendConfig, extend_config, resolve_arch
+from .decode import debug_enabled
+
+SCHEDULES = ("lpt", "ordered")
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """What ``run_extend`` executes: one batch's request order and block offsets.
+
+    batch_size: B (host int). req_begin: requests [0, req_begin) are skipped (decode
+    rows another kernel handles). max_q_len: host upper bound of q lengths.
+    cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]: the caller's tensors.
+    order [B] int32: requests in execution order (LPT: by decreasing seq_len).
+    sorted_start [B] int32: first query-block index of order[r]; non-decreasing from 0.
+    """
+
+    batch_size: int
+    req_begin: int
+    max_q_len: int
+    page_size: int
+    group_size: int
+    schedule: str
+    config: ExtendConfig
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    order: torch.Tensor
+    sorted_start: torch.Tensor
+
+
+def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *, page_size: int,
+                group_size: int, max_q_len: int, config: ExtendConfig, schedule: str = "lpt", req_begin: int = 0,
+                order: torch.Tensor | None = None, sorted_start: torch.Tensor | None = None) -> ExtendPlan:
+    """Order the batch for the extend kernel (one tiny GPU kernel, no host sync).
+
+    Inputs are assumed validated (``extend`` / ``Attention.plan`` do it).
+    order / sorted_start: optional preallocated int32 buffers of at least B entries.
+    """
+    batch = seq_lens.shape[0]
+    dev = seq_lens.device
+    order = order[:batch] if order is not None else torch.empty(batch, dtype=torch.int32, device=dev)
+    sorted_start = (sorted_start[:batch] if sorted_start is not None
+                    else torch.empty(batch, dtype=torch.int32, device=dev))
+    if batch > 0:
+        launch.launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, req_begin=req_begin,
+                                  group_size=group_size, block_m=config.block_m, lpt=schedule == "lpt")
+    return ExtendPlan(batch, req_begin, max_q_len, page_size, group_size, schedule, config, cu_seqlens_q, seq_lens,
+                      page_table, order, sorted_start)
+
+
+def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor, *, k_new: torch.Tensor | None, v_new: torch.Tensor | None, sm_scale: float,
+               causal: bool, sliding_window: int | None, logit_cap: float | None) -> torch.Tensor:
+    """Launch the extend kernel for ``plan`` (inputs assumed validated); returns out."""
+    c = plan.config
+    bound = launch.num_query_blocks_bound(q.shape[0], plan.batch_size, plan.max_q_len, plan.group_size, c.block_m)
+    launch.launch_extend(q, k_cache, v_cache, k_new, v_new, out, plan.cu_seqlens_q, plan.seq_lens, plan.page_table,
+                         plan.order, plan.sorted_start, num_programs_bound=bound, req_begin=plan.req_begin,
+                         page_size=plan.page_size, sm_scale=sm_scale, causal=causal, window=sliding_window,
+                         logit_cap=logit_cap, block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps,
+                         num_stages=c.num_stages)
+    return out
+
+
+# -- validation -------------------------------------------------------------------
+
+
+def check_cache(name: str, cache, *, page_size: int, dtype: torch.dtype, device: torch.device,
+                shape: tuple | None = None) -> torch.Tensor:
+    """A cache viewed as [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D] (any strides,
+    unit stride in D). ``shape`` (if given) must match exactly."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() not in (3, 4):
+        raise ValueError(f"{name}: expected [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D], "
+                         f"got shape {tuple(cache.shape)}")
+    if cache.dim() == 4 and cache.shape[1] != page_size:
+        raise ValueError(f"{name}: expected [num_pages, page_size={page_size}, Hkv, D], got shape "
+                         f"{tuple(cache.shape)}")
+    return check_tensor(name, cache, shape=shape, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+
+
+def normalize_window(sliding_window) -> int | None:
+    """None or 0 -> None (no window); int W >= 1 -> W. See ``extend`` for the convention."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window: expected None or int, got {type(sliding_window).__name__}")
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window: expected None, 0 (no window) or a window W >= 1, got {sliding_window}")
+    return sliding_window or None
+
+
+def normalize_logit_cap(logit_cap) -> float | None:
+    """None or 0 -> None (no cap); c > 0 -> float(c)."""
+    if logit_cap is None:
+        return None
+    if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)):
+        raise TypeError(f"logit_cap: expected None or float, got {type(logit_cap).__name__}")
+    if not math.isfinite(logit_cap) or logit_cap < 0:
+        raise ValueError(f"logit_cap: expected None, 0 (no cap) or a finite cap > 0, got {logit_cap}")
+    return float(logit_cap) or None
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim: evenkv extend supports {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+def check_batch_metadata(cu_seqlens_q, seq_lens, page_table, device: torch.device) -> int:
+    """Shapes and dtypes of cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]; returns B."""
+    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=device)
+    batch = seq_lens.shape[0]
+    check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=INDEX_DTYPES, device=device)
+    check_page_table(page_table, batch, device)
+    return batch
+
+
+def check_lengths_on_host(cu_seqlens_q, seq_lens, *, max_q_len: int, total_q: int, capacity: int,
+                          req_begin: int = 0) -> None:
+    """Debug-mode data checks (syncs): every rule the kernel relies on but cannot check."""
+    cu = cu_seqlens_q.cpu().long()
+    lens = seq_lens.cpu().long()
+    if cu.numel() == 0:
+        return
+    q_lens = cu[1:] - cu[:-1]
+    if int(cu[0]) < 0 or (q_lens < 0).any():
+        raise ValueError(f"cu_seqlens_q: expected a non-decreasing sequence from >= 0, got {cu.tolist()[:16]}")
+    if int(cu[-1]) > total_q:
+        raise ValueError(f"cu_seqlens_q: last entry {int(cu[-1])} exceeds the {total_q} rows of q")
+    extend_lens = q_lens[req_begin:]
+    if extend_lens.numel() and int(extend_lens.max()) > max_q_len:
+        raise ValueError(f"max_q_len: expected >= every q length, got {max_q_len} < {int(extend_lens.max())}")
+    if (lens < q_lens).any():
+        b = int(torch.nonzero(lens < q_lens)[0])
+        raise ValueError(f"seq_lens: expected seq_lens[b] >= q_len[b] (seq_lens include the new tokens), "
+                         f"got seq_lens[{b}]={int(lens[b])} < q_len {int(q_lens[b])}")
+    if lens.numel() and int(lens.max()) > capacity:
+        raise ValueError(f"seq_lens: expected lengths <= page_table capacity {capacity} (max_pages x page_size), "
+                         f"got {int(lens.max())}")
+
+
+# -- public API ---------------------------------------------------------------------
+
+
+def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+           seq_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, max_q_len: int,
+           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, sm_scale: float | None = None,
+           causal: bool = True, sliding_window: int | None = None, logit_cap: float | None = None,
+           out: torch.Tensor | None = None, schedule: str = "lpt", config: ExtendConfig | None = None,
+           arch: str | None = None, debug: bool | None = None) -> torch.Tensor:
+    """Varlen extend (prefill) attention over a paged KV cache, causal by default.
+
+    Args (B requests, total_q query rows, G = Hq / Hkv):
+        q: [total_q, Hq, D] fp16/bf16, any row/head strides, unit stride in D. Rows of
+            request b are ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``.
+        k_cache, v_cache: [num_slots, Hkv, D] (slot = page * page_size + offset) or
+            [num_pages, page_size, Hkv, D], dtype of q, any strides but unit stride in D
+            (vLLM's packed K|V halves and HND views both work).
+        cu_seqlens_q: [B + 1] int32 (or int64), device; cu_seqlens_q[-1] <= total_q.
+        seq_lens: [B] int32/int64, device: the total KV length of each request
+            INCLUDING its new tokens (vLLM ``seq_lens``, SGLang ``seq_lens``).
+        page_table: [B, max_pages] int32, any row stride: page ids of each request.
+        page_size: 1, 8, 16, 32, 64 or 128.
+        max_q_len: host int >= every q length (vLLM ``max_query_len``, SGLang
+            ``max(extend_seq_lens_cpu)``); sizes the grid, so no host sync.
+        k_new, v_new: None (the new tokens' K/V are already in the cache at positions
+            seq_len - q_len .. seq_len - 1: vLLM) or [total_q, Hkv, D] (the cache holds
+            only the prefix, positions < seq_len - q_len, and the new tokens' K/V are
+            row-aligned with q: SGLang's forward_extend).
+        sm_scale: softmax scale, default 1/sqrt(D).
+        causal: query i of request b sits at position seq_len - q_len + i and sees
+            positions <= its own. causal=False: every query sees all seq_len keys.
+        sliding_window: None or 0 (none), or W >= 1: a query at position p sees keys in
+            [p - W + 1, p] (W keys, itself included; HF's ``config.sliding_window``).
+            vLLM: pass the impl's ``sliding_window`` int as is (vLLM stores it as
+            ``(W - 1, 0)`` for FA). SGLang: pass ``layer.sliding_window_size + 1``
+            (SGLang stores W - 1, and -1 for none, which maps to 0 = none).
+        logit_cap: None or 0 (none), or c > 0: scores s * sm_scale become
+            c * tanh(s * sm_scale / c) before softmax (vLLM ``logits_soft_cap``,
+            SGLang ``layer.logit_cap``).
+        out: optional [total_q, Hq, D] output, dtype of q, unit stride in D.
+        schedule: ``"lpt"`` (default: heaviest requests first) or ``"ordered"``
+            (request order); both run heaviest query block first inside a request.
+        config: an ``ExtendConfig`` to force (tuning, tests); default from the table.
+        arch: ``"sm80"``/``"sm90"`` table; default from the device (EVENKV_ARCH).
+        debug: check lengths on the host first (syncs); default EVENKV_DEBUG.
+
+    Returns:
+        out [total_q, Hq, D], dtype of q. Rows past cu_seqlens_q[-1] are not written.
+
+    Raises:
+        TypeError / ValueError naming the argument for malformed inputs;
+        NotImplementedError for unsupported features (head_dim outside
+        64/80/96/128/256, a sliding window without causal masking).
+    """
+    check_tensor("q", q, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
+    total_q, num_q_heads, head_dim = q.shape
+    dev = resolve_device(q.device)
+    check_head_dim(head_dim)
+    check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
+    check_cache("k_cache", k_cache, page_size=page_size, dtype=q.dtype, device=dev)
+    num_kv_heads = k_cache.shape[-2]
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"k_cache: expected head_dim {head_dim} (of q) in the last dim, got shape "
+                         f"{tuple(k_cache.shape)}")
+    check_cache("v_cache", v_cache, page_size=page_size, dtype=q.dtype, device=dev, shape=tuple(k_cache.shape))
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q: expected Hq a multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
+    batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, dev)
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int):
+        raise TypeError(f"max_q_len: expected a host int, got {type(max_q_len).__name__}")
+    if max_q_len < 0:
+        raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'tensor'}"
+                         f" and v_new={'None' if v_new is None else 'tensor'}")
+    if k_new is not None:
+        shape_new = (total_q, num_kv_heads, head_dim)
+        check_tensor("k_new", k_new, shape=shape_new, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+        check_tensor("v_new", v_new, shape=shape_new, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+    scale = resolve_sm_scale(sm_scale, head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    window = normalize_window(sliding_window)
+    cap = normalize_logit_cap(logit_cap)
+    if window is not None and not causal:
+        raise NotImplementedError("sliding_window: evenkv extend supports a sliding window only with causal=True")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if config is not None and not isinstance(config, ExtendConfig):
+        raise TypeError(f"config: expected ExtendConfig or None, got {type(config).__name__}")
+    out = output_like(q, out)
+    if batch == 0 or total_q == 0 or max_q_len == 0:
+        return out
+    if debug_enabled(debug):
+        check_lengths_on_host(cu_seqlens_q, seq_lens, max_q_len=max_q_len, total_q=total_q,
+                              capacity=page_table.shape[1] * page_size)
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = extend_config(resolve_arch(arch, dev), head_dim, group, max_q_len)
+    plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
+                       max_q_len=max_q_len, config=config, schedule=schedule)
+    return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
+                      sliding_window=window, logit_cap=cap)
+
+
+__all__ = ["extend", "ExtendPlan", "plan_extend", "run_extend", "SCHEDULES"]

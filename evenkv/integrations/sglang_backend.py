@@ -1,0 +1,323 @@
+"""evenkv as an SGLang attention backend (imported lazily by ``evenkv.integrations.sglang``).
+
+What SGLang hands us, and what we make of it (SGLang 0.5.17 to 0.5.23):
+
+- ``req_to_token`` int32 ``[pool_size + 1, max_context_len]``: slot of token i of request r,
+  token-granular even for page_size P > 1 (slot = page * P + offset, pages aligned to
+  positions). evenkv's page table ``[B, max_pages]`` int32 of request b is therefore
+  ``req_to_token[req_pool_indices[b], ::P] // P`` (for P = 1 the slots themselves).
+  Row 0 is SGLang's padding row (zeros -> the reserved dummy page 0).
+- ``seq_lens`` int64 ``[B]``: KV length including this step's new tokens.
+- KV buffers ``[num_slots, Hkv, D]`` per layer (``MHATokenToKVPool``, NHD). New K/V are
+  written with the pool's ``set_kv_buffer`` before attention, as every SGLang backend does.
+
+One ``evenkv.Attention`` plans each batch once (``init_forward_metadata``) and runs it for
+every layer: decode batches on the balanced decode kernels (``num_decodes = B``); extend
+batches (prefill, chunked prefill, mixed) on the extend kernel (``num_decodes = 0``),
+reading the cached prefix from the pool and the new tokens' K/V from the layer's inputs.
+
+CUDA graphs (decode; SGLang's ``full`` decode graph runner):
+
+- ``init_cuda_graph_state(max_bs, ...)`` allocates fixed-address buffers: seq_lens
+  ``[max_bs]`` int32 and a page table ``[max_bs, max_pages]`` int32.
+- ``init_forward_metadata_out_graph(fb)`` runs on the host before capture and before every
+  replay. It refills those buffers in place: seq_lens (padded rows -> 0, so evenkv skips
+  them; at capture every row holds SGLang's fill value), and a snapshot of the page table
+  taken from ``req_to_token``. Snapshotting here, not reading ``req_to_token`` inside the
+  graph, is what keeps replay safe: on CUDA, SGLang's scheduler may overwrite
+  ``req_to_token`` for the next batch as soon as this pre-replay step is recorded (the
+  WAR-barrier event of decode_cuda_graph_runner), i.e. while the graph still runs.
+  May allocate and read host data (``seq_lens_cpu`` narrows the copy to the live width).
+- ``init_forward_metadata_in_graph(fb)`` is recorded into the graph: ``Attention.plan``
+  on the fixed buffers (GPU work only, no sync, no allocation).
+- ``get_cuda_graph_seq_len_fill_value()`` is 1, as for SGLang's triton backend: a padded
+  row at capture reads one token of the dummy page.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.runtime_context import get_parallel
+
+from evenkv.attention import Attention, AttentionPlan
+
+
+@dataclass(frozen=True)
+class ForwardMetadata:
+    """One batch, as planned: its AttentionPlan and the host ints forward needs.
+
+    num_tokens: query rows of the batch (B for decode, sum of extend lengths for extend).
+    decode: True for a decode batch (num_decodes = B).
+    """
+
+    plan: AttentionPlan
+    num_tokens: int
+    decode: bool
+
+
+class EvenKVAttnBackend(AttentionBackend):
+    """SGLang ``AttentionBackend`` running evenkv's decode and extend kernels.
+
+    Build it through the registry (``--attention-backend evenkv``); the factory in
+    ``evenkv.integrations.sglang`` has already refused unsupported configurations.
+    Per-layer features evenkv does not have (soft-cap, sliding window, sinks,
+    encoder/cross attention, scaled KV) raise NotImplementedError at the layer's first call.
+    """
+
+    # seq_lens_cpu narrows the per-step page-table copy to the batch's live width.
+    needs_cpu_seq_lens: bool = True
+
+    def __init__(self, model_runner, policy: str = "balanced"):
+        super().__init__()
+        self.device = torch.device(model_runner.device)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = getattr(model_runner, "page_size", 1) or 1
+        pool = self.token_to_kv_pool
+        attn_tp = get_parallel().attn_tp_size
+        total_q_heads = model_runner.model_config.get_max_num_attention_heads()
+        if total_q_heads % attn_tp:
+            raise ValueError(f"evenkv: {total_q_heads} attention heads do not split over attn_tp_size={attn_tp}")
+        self.num_q_heads = total_q_heads // attn_tp
+        self.num_kv_heads = pool.head_num
+        self.head_dim = pool.head_dim
+        self.dtype = pool.dtype
+        # Widest page table a request can need: the req_to_token row, in pages.
+        self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
+        max_batch_size = max(1, model_runner.req_to_token_pool.size)
+        self.attention = Attention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
+                                   self.device, max_batch_size, self.max_pages, policy)
+        # cu_seqlens_q of every decode batch: request i owns q row i.
+        self._decode_cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=self.device)
+        self.forward_metadata: ForwardMetadata | None = None
+        self._checked_layers: set[int] = set()
+        # CUDA-graph buffers (init_cuda_graph_state).
+        self.cuda_graph_seq_lens: torch.Tensor | None = None
+        self.cuda_graph_page_table: torch.Tensor | None = None
+
+    # -- metadata -----------------------------------------------------------------
+
+    def _page_width(self, seq_lens_cpu) -> int:
+        """Page-table columns the batch needs: from the host lengths if given, else all."""
+        if seq_lens_cpu is None or len(seq_lens_cpu) == 0:
+            return self.max_pages
+        longest = int(max(seq_lens_cpu)) if not isinstance(seq_lens_cpu, torch.Tensor) else int(seq_lens_cpu.max())
+        return min(self.max_pages, max(1, math.ceil(longest / self.page_size)))
+
+    def _gather_page_table(self, req_pool_indices: torch.Tensor, width: int,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """Page ids [B, width] int32 of the batch's requests, from req_to_token.
+
+        With ``out`` (a [>= B, >= width] int32 buffer) the result is written into
+        ``out[:B, :width]`` and that view returned; columns past ``width`` keep stale values,
+        which the kernels never read (they stop at ceil(seq_len / page_size) pages).
+        """
+        p = self.page_size
+        first_slots = self.req_to_token[:, : width * p : p]  # [rows, width]: slot of each page's first token
+        rows = first_slots.index_select(0, req_pool_indices.to(torch.int64))
+        if out is None:
+            return rows // p if p > 1 else rows
+        view = out[: rows.shape[0], :width]
+        if p > 1:
+            torch.floor_divide(rows, p, out=view)
+        else:
+            view.copy_(rows)
+        return view
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Eager metadata (host work allowed): plan the batch once for every layer."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if mode.is_decode():
+            self._plan_decode(forward_batch)
+            return
+        self._refuse_mode(mode)
+        self._plan_extend(forward_batch)
+
+    @staticmethod
+    def _refuse_mode(mode) -> None:
+        if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.name in ("DLLM_EXTEND", "SPLIT_PREFILL"):
+            raise NotImplementedError(f"evenkv: forward mode {mode.name} is not supported (no speculative decoding, "
+                                      "dLLM or PD multiplexing)")
+
+    def _plan_decode(self, forward_batch) -> None:
+        bs = forward_batch.batch_size
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        page_table = self._gather_page_table(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
+        plan = self.attention.plan(self._decode_cu_seqlens[:bs + 1], forward_batch.seq_lens[:bs], page_table,
+                                   num_decodes=bs, max_q_len=1,
+                                   seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
+        self.forward_metadata = ForwardMetadata(plan, bs, decode=True)
+
+    def _plan_extend(self, forward_batch) -> None:
+        bs = forward_batch.batch_size
+        ext_lens = forward_batch.extend_seq_lens[:bs]
+        ext_lens_cpu = forward_batch.extend_seq_lens_cpu
+        if ext_lens_cpu is not None:
+            max_q_len, total_q = int(max(ext_lens_cpu, default=0)), int(sum(ext_lens_cpu))
+        else:  # one sync; SGLang's scheduler normally provides the host lengths
+            max_q_len, total_q = int(ext_lens.max()) if bs else 0, int(ext_lens.sum())
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        if seq_lens_cpu is None and forward_batch.extend_prefix_lens_cpu is not None and ext_lens_cpu is not None:
+            seq_lens_cpu = [a + b for a, b in zip(forward_batch.extend_prefix_lens_cpu, ext_lens_cpu)]
+        cu_seqlens_q = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+        cu_seqlens_q[1:] = torch.cumsum(ext_lens, dim=0)
+        page_table = self._gather_page_table(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
+        plan = self.attention.plan(cu_seqlens_q, forward_batch.seq_lens[:bs], page_table, num_decodes=0,
+                                   max_q_len=max_q_len)
+        self.forward_metadata = ForwardMetadata(plan, total_q, decode=False)
+
+    # -- CUDA graphs (decode) --------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Fixed-address decode buffers for batches up to ``max_bs`` requests (1 token each)."""
+        if max_num_tokens != max_bs:
+            raise NotImplementedError(f"evenkv: decode CUDA graphs with {max_num_tokens} tokens for {max_bs} requests "
+                                      "(more than one query token per request) are not supported")
+        if max_bs > self.attention.max_batch_size:
+            raise ValueError(f"evenkv: CUDA graphs of up to {max_bs} requests, but the request pool holds "
+                             f"{self.attention.max_batch_size}")
+        self.cuda_graph_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self.cuda_graph_page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=self.device)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Host side of a graph step (before capture and before each replay): refill the
+        fixed buffers in place. ``forward_batch`` is a ForwardBatch at capture and a
+        SimpleNamespace view at replay (padded: ``batch_size``, ``req_pool_indices``,
+        ``seq_lens``, ``seq_lens_cpu``, ``num_padding``)."""
+        mode = forward_batch.forward_mode
+        if not mode.is_decode_or_idle():
+            # Prefill graph runners call init_forward_metadata; anything else here is a
+            # speculative graph, which the factory refused.
+            raise NotImplementedError(f"evenkv: CUDA graphs for forward mode {mode.name} are not supported")
+        if self.cuda_graph_seq_lens is None:
+            raise RuntimeError("evenkv: init_cuda_graph_state must run before init_forward_metadata_out_graph")
+        bs = forward_batch.batch_size
+        padding = int(getattr(forward_batch, "num_padding", 0) or 0)
+        seq_lens = self.cuda_graph_seq_lens[:bs]
+        seq_lens.copy_(forward_batch.seq_lens[:bs])
+        if padding:
+            seq_lens[bs - padding:].zero_()  # padded rows: no work, zero output
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        width = self._page_width(seq_lens_cpu[: bs - padding] if seq_lens_cpu is not None else None)
+        self._gather_page_table(forward_batch.req_pool_indices[:bs], width, out=self.cuda_graph_page_table)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Recorded into the graph: plan on the fixed buffers (GPU work only)."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise NotImplementedError(f"evenkv: CUDA graphs for forward mode {forward_batch.forward_mode.name} "
+                                      "are not supported")
+        bs = forward_batch.batch_size
+        plan = self.attention.plan(self._decode_cu_seqlens[:bs + 1], self.cuda_graph_seq_lens[:bs],
+                                   self.cuda_graph_page_table[:bs], num_decodes=bs, max_q_len=1)
+        self.forward_metadata = ForwardMetadata(plan, bs, decode=True)
+
+    # -- forward ------------------------------------------------------------------------
+
+    def _check_layer(self, layer, kwargs: dict) -> None:
+        """Refuse per-layer features evenkv lacks (each layer checked once; sinks every call)."""
+        if kwargs.get("sinks") is not None:
+            raise NotImplementedError(f"evenkv: attention sinks (layer {layer.layer_id}) are not supported")
+        if kwargs.get("score_mod") is not None:
+            raise NotImplementedError(f"evenkv: score_mod (layer {layer.layer_id}) is not supported")
+        if layer.layer_id in self._checked_layers:
+            return
+        problems = []
+        if (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim) != \
+                (self.num_q_heads, self.num_kv_heads, self.head_dim):
+            problems.append(f"heads/head_dim (Hq, Hkv, D) = ({layer.tp_q_head_num}, {layer.tp_k_head_num}, "
+                            f"{layer.qk_head_dim}) differ from the KV pool's ({self.num_q_heads}, "
+                            f"{self.num_kv_heads}, {self.head_dim})")
+        if layer.v_head_dim != layer.qk_head_dim:
+            problems.append(f"v_head_dim {layer.v_head_dim} != qk_head_dim {layer.qk_head_dim}")
+        if layer.logit_cap and layer.logit_cap > 0:
+            problems.append(f"logit soft-cap {layer.logit_cap}")
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            problems.append(f"sliding window {layer.sliding_window_size + 1}")
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            problems.append(f"attention type {layer.attn_type.value}"
+                            f"{' (cross attention)' if layer.is_cross_attention else ''}")
+        for name in ("k_scale_float", "v_scale_float"):
+            scale = getattr(layer, name, None)
+            if scale is not None and scale != 1.0:
+                problems.append(f"scaled KV cache ({name}={scale})")
+        if getattr(layer, "xai_temperature_len", -1) > 0:
+            problems.append("xai temperature scaling")
+        if problems:
+            raise NotImplementedError(f"evenkv: layer {layer.layer_id} uses features evenkv does not support: "
+                                      + "; ".join(problems))
+        self._checked_layers.add(layer.layer_id)
+
+    def _save_kv(self, layer, forward_batch, k, v) -> None:
+        if layer.k_scale is None:
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        else:
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale,
+                                                layer.v_scale)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """q [B, Hq*D] (or [B, Hq, D]); k, v [B, Hkv, D] or None (shared KV). Returns [B, Hq*D]."""
+        meta = self._metadata(layer, kwargs, decode=True)
+        if save_kv_cache and k is not None:
+            self._save_kv(layer, forward_batch, k, v)
+        q3 = q.reshape(-1, self.num_q_heads, self.head_dim)
+        out = q3.new_empty(q3.shape)
+        k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        _run(self.attention, meta.plan, q3, k_cache, v_cache, out, None, None, layer.scaling)
+        return out.view(-1, self.num_q_heads * self.head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """q [T, Hq*D]; k, v [T, Hkv, D] or None (shared KV: read from the pool). T may exceed
+        the batch's tokens (padded prefill graphs): those rows of the result are zeros.
+        Returns [T, Hq*D], in ``forward_batch._attn_output`` when the runner provides one
+        (SGLang's prefill-graph path; [T, Hq*D] or [T, Hq, D], contiguous)."""
+        meta = self._metadata(layer, kwargs, decode=False)
+        if (k is None) != (v is None):
+            raise ValueError("evenkv: forward_extend got only one of k and v")
+        if save_kv_cache and k is not None:
+            self._save_kv(layer, forward_batch, k, v)
+        hq, d = self.num_q_heads, self.head_dim
+        q3 = q.reshape(-1, hq, d)
+        out = getattr(forward_batch, "_attn_output", None)
+        if out is None:
+            out = q3.new_empty(q3.shape[0], hq * d)
+        out3 = out.view(-1, hq, d)
+        n = meta.num_tokens
+        if q3.shape[0] < n:
+            raise ValueError(f"evenkv: forward_extend got {q3.shape[0]} query rows for a batch of {n} tokens")
+        if q3.shape[0] > n:
+            out3[n:].zero_()
+        k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        # SGLang's layout: the cache holds the prefix (and, once written, the new tokens);
+        # the new tokens' K/V come row-aligned with q. Without k/v (shared KV) the new
+        # tokens are read back from the cache.
+        k_new = k.reshape(-1, self.num_kv_heads, d)[:n] if k is not None else None
+        v_new = v.reshape(-1, self.num_kv_heads, d)[:n] if v is not None else None
+        _run(self.attention, meta.plan, q3[:n], k_cache, v_cache, out3[:n], k_new, v_new, layer.scaling)
+        return out.view(-1, hq * d)
+
+    def _metadata(self, layer, kwargs: dict, *, decode: bool) -> ForwardMetadata:
+        self._check_layer(layer, kwargs)
+        meta = self.forward_metadata
+        if meta is None or meta.decode != decode:
+            raise RuntimeError(f"evenkv: forward_{'decode' if decode else 'extend'} without a planned "
+                               f"{'decode' if decode else 'extend'} batch (init_forward_metadata)")
+        return meta
+
+
+@torch.compiler.disable
+def _run(attention: Attention, plan: AttentionPlan, q, k_cache, v_cache, out, k_new, v_new, sm_scale: float) -> None:
+    attention.run(plan, q, k_cache, v_cache, k_new=k_new, v_new=v_new, out=out, sm_scale=sm_scale)
+
+
+__all__ = ["EvenKVAttnBackend", "ForwardMetadata"]

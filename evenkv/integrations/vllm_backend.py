@@ -1,0 +1,393 @@
+"""evenkv as a vLLM v1 attention backend (selected as ``CUSTOM``; see ``evenkv.integrations.vllm``).
+
+Three classes, as vLLM expects:
+
+* ``EvenKVBackend`` declares what evenkv serves (dtypes, head sizes, page sizes, the KV
+  layout) and refuses the rest in ``validate_configuration`` with every reason at once.
+* ``EvenKVMetadataBuilder`` runs once per step and KV-cache group, outside any CUDA
+  graph. vLLM orders the batch decode first (the builder asks for it with a reorder
+  threshold of 1; the V2 model runner always does it); ``build`` finds the split and
+  plans the whole batch once with ``evenkv.Attention``: decode rows (q_len 1)
+  on the balanced decode schedule, the other rows (prefill chunks, spec-verify rows) on
+  evenkv's extend kernel. Every plan buffer is allocated in ``__init__``, sized from
+  ``scheduler_config.max_num_seqs`` and ``max_model_len``, and refilled in place.
+* ``EvenKVImpl`` (one per layer) writes the new K/V with evenkv's KV-write kernel in
+  ``do_kv_cache_update`` (vLLM runs it before ``forward``) and runs the planned batch in
+  ``forward``.
+
+KV cache: vLLM's standard ``[num_blocks, Hkv, block_size, 2 * D]`` tensor (K and V
+halves of the last dim), laid out NHD in memory (``[num_blocks, block_size, Hkv, 2 * D]``)
+so that each half views, without a copy, as the ``[num_slots, Hkv, D]`` cache evenkv's
+kernels take (slot = block * block_size + offset, vLLM's ``slot_mapping``).
+
+CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. A pure-decode step (padded to a capture
+size; padding rows have seq_len 0 and are skipped by the kernels) replays a FULL graph:
+``build`` replans on the GPU into the same buffers before the replay, and the captured
+kernels read those buffers plus vLLM's persistent block table. Mixed steps run the
+attention eagerly (piecewise graphs or none).
+
+Interfaces: vLLM 0.26.0 and 0.33.0 (``docs/design.md``, "Engines").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata)
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
+
+if TYPE_CHECKING:
+    from evenkv.attention import Attention, AttentionPlan
+
+POLICY_ENV = "EVENKV_POLICY"
+# Pages evenkv's kernels take, restricted to what vLLM uses (its default block is 16).
+# Listed as exact sizes, not MultipleOf(16): vLLM then splits a larger manager block
+# (say 48 or 256) into kernel blocks of the largest size here that divides it.
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+# SM80: bf16 tensor-core dots (tl.dot) need Ampere or newer.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+_MODEL_DTYPES = (torch.float16, torch.bfloat16)
+_CACHE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# validate_configuration flags (vLLM 0.26 and 0.33) and why evenkv refuses each when set.
+# Flags a later vLLM adds are refused by default (see validate_configuration).
+_FLAG_REASONS = {
+    "has_sliding_window": "sliding-window attention is not supported: the decode kernel applies no window yet",
+    "use_non_causal": "non-causal (bidirectional) decoder attention is not supported",
+    "use_batch_invariant": "batch-invariant mode is not supported yet (evenkv's deterministic split is not wired)",
+    "use_pcp": "prefill context parallelism is not supported",
+    "use_dcp": "decode context parallelism is not supported: evenkv returns no LSE for the cross-rank merge",
+    "use_adaptive_verification": "adaptive verification is not supported: evenkv plans from the host query lengths",
+    "use_rswa": "reference sliding-window attention (R-SWA) is not supported",
+}
+_ACCEPTED_FLAGS = ("use_kv_connector",)  # KV connectors move whole blocks; the layout is vLLM's standard NHD
+
+
+def _supported_head_dims() -> tuple[int, ...]:
+    from evenkv.checks import SUPPORTED_HEAD_DIMS  # lazy: evenkv imports triton
+
+    return tuple(SUPPORTED_HEAD_DIMS)
+
+
+class EvenKVBackend(AttentionBackend):
+    """evenkv decode attention (balanced persistent split-KV) + evenkv extend, for vLLM v1."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(_MODEL_DTYPES)
+    # The cache holds K/V in the model dtype ("auto"); naming that dtype explicitly is the same.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # must be an AttentionBackendEnum member name
+
+    @staticmethod
+    def get_impl_cls() -> type[EvenKVImpl]:
+        return EvenKVImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[EvenKVMetadataBuilder]:
+        return EvenKVMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        # vLLM 0.33 passes the spec; 0.26 calls this with no argument.
+        return list(KERNEL_BLOCK_SIZES)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        """Logical shape (vLLM 0.26; 0.33 derives the same shape itself): K and V halves of the last dim."""
+        if block_size not in KERNEL_BLOCK_SIZES:
+            raise ValueError(f"block_size: evenkv takes kernel blocks of {KERNEL_BLOCK_SIZES} tokens, got {block_size}")
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Physical order NHD, ``[num_blocks, block_size, Hkv, 2 * D]``, so a slot (block, offset)
+        has one stride. With a layers dimension (cross-layer KV allocations for KV connectors),
+        layers stay outermost: ``[num_layers, num_blocks, block_size, Hkv, 2 * D]``, each layer
+        NHD (the blocks-outermost order other backends use would give blocks a stride that is
+        not block_size slots, which the decode kernel's slot addressing cannot follow)."""
+        return (0, 1, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
+
+    @classmethod
+    def get_required_kv_cache_layout(cls):
+        return "NHD"  # vLLM 0.26: overrides VLLM_KV_CACHE_LAYOUT and connector preferences
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        from vllm.v1.kv_cache_layout import KVCacheLayout  # vLLM >= 0.33 only calls this
+
+        return (KVCacheLayout.LBNHC,)  # per layer [blocks, block_size, Hkv, 2*D]: NHD
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(_supported_head_dims())
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or any(block_size % size == 0 for size in KERNEL_BLOCK_SIZES)
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability is None or (capability.major, capability.minor) >= MIN_COMPUTE_CAPABILITY
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # the decode/extend split is read from the host query_start_loc
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        cache_dtype = _CACHE_DTYPE_NAMES.get(kv_cache_dtype or "auto")
+        if cache_dtype is not None and dtype in _MODEL_DTYPES and cache_dtype != dtype:
+            return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}: evenkv reads q and "
+                    "K/V in one dtype (use kv_cache_dtype='auto')")
+        return None
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                               block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
+                               use_mm_prefix: bool, use_per_head_quant_scales: bool, device_capability,
+                               attn_type: str, **flags: bool) -> list[str]:
+        """Every reason evenkv cannot serve this configuration ([] = supported).
+
+        ``flags`` are the boolean switches of vLLM's ``AttentionSelectorConfig``
+        (``has_sliding_window``, ``use_dcp``, ...); a switch this module does not know (a
+        later vLLM's) is refused when set rather than silently accepted.
+        """
+        reasons = []
+        if not cls.supports_head_size(head_size):
+            dims = ", ".join(map(str, _supported_head_dims()))
+            reasons.append(f"head_size {head_size} not supported (evenkv: {dims})")
+        if not cls.supports_dtype(dtype):
+            reasons.append(f"dtype {dtype} not supported (evenkv: torch.float16, torch.bfloat16)")
+        if not cls.supports_kv_cache_dtype(kv_cache_dtype):
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} not supported: evenkv keeps K/V in the model dtype "
+                           "(no fp8/int8 cache); use kv_cache_dtype='auto'")
+        if not cls.supports_block_size(block_size):
+            reasons.append(f"block_size {block_size} not supported: evenkv takes kernel blocks of "
+                           f"{', '.join(map(str, KERNEL_BLOCK_SIZES))} tokens, so the block size must be a multiple "
+                           "of 16")
+        if use_mla:
+            reasons.append("MLA (latent attention) not supported: evenkv is MHA/GQA")
+        if has_sink:
+            reasons.append("attention sinks not supported: the decode kernel has no sink term yet")
+        if use_sparse:
+            reasons.append("sparse attention not supported")
+        if use_mm_prefix:
+            reasons.append("bidirectional multimodal prefix attention not supported")
+        if use_per_head_quant_scales:
+            reasons.append("per-head quantization scales not supported (no quantized KV cache)")
+        if not cls.supports_compute_capability(device_capability):
+            reasons.append(f"compute capability {device_capability.major}.{device_capability.minor} not supported "
+                           f"(evenkv needs SM{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]} or newer)")
+        if not cls.supports_attn_type(attn_type):
+            reasons.append(f"attention type {attn_type} not supported: evenkv serves decoder self-attention only")
+        for flag, value in flags.items():
+            if value and flag not in _ACCEPTED_FLAGS:
+                reasons.append(_FLAG_REASONS.get(flag, f"{flag} not supported (unknown to evenkv)"))
+        combination = cls.supports_combination(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                                               use_sparse, use_mm_prefix, device_capability)
+        if combination is not None:
+            reasons.append(combination)
+        return reasons
+
+
+@dataclass
+class EvenKVMetadata:
+    """One step's attention metadata for one KV-cache group (shared by its layers).
+
+    num_actual_tokens: rows of q/output to compute (vLLM may pad it; padding rows sit in
+        no request and are not written).
+    num_decodes / num_decode_tokens: requests [0, num_decodes) are decode rows, q rows
+        [0, num_decodes); num_prefills / num_prefill_tokens: the rest (extend kernel).
+    query_start_loc [B+1] int32, seq_lens [B] int32 (KV length including this step's
+        tokens), block_table [B, max_pages] int32, slot_mapping [T] int64: vLLM's tensors.
+    attention, plan: the group's ``evenkv.Attention`` and the plan ``build`` made, which
+        every layer's ``forward`` runs (``Attention.run`` refuses a plan made stale by a later build).
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    attention: Attention
+    plan: AttentionPlan
+
+
+class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
+    """Splits each batch into decode and extend rows and plans it once for all layers.
+
+    Host work per step: the split (from vLLM's host ``query_start_loc``) and a few
+    tensor views; GPU work: evenkv's plan kernels (no sync, no allocation).
+    """
+
+    # Full graphs for pure-decode steps; mixed steps run attention eagerly.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decode rows (q_len 1) first: the decode plan takes a prefix of the batch.
+        # Spec-verify rows (q_len > 1) are not decodes here; they go to the extend kernel.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        from evenkv.attention import Attention  # lazy: the plugin's register() stays light
+        from evenkv.decode import POLICIES
+
+        model_config = vllm_config.model_config
+        head_size = kv_cache_spec.head_size
+        if getattr(kv_cache_spec, "head_size_v", head_size) != head_size:
+            raise NotImplementedError(f"evenkv: K and V head sizes must match, got {head_size} and "
+                                      f"{kv_cache_spec.head_size_v}")
+        num_q_heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                       or model_config.get_num_attention_heads(vllm_config.parallel_config))
+        policy = os.environ.get(POLICY_ENV, "balanced")
+        if policy not in POLICIES:
+            raise ValueError(f"{POLICY_ENV}: expected one of {POLICIES}, got {policy!r}")
+        self.page_size = kv_cache_spec.block_size
+        self.max_pages = -(-model_config.max_model_len // self.page_size)
+        self.attention = Attention(
+            num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, kv_cache_spec.dtype, device,
+            max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+            policy=policy)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> EvenKVMetadata:
+        cam = common_attn_metadata
+        if cam.causal is not True:
+            raise NotImplementedError("evenkv: only causal decoder attention is supported (got a non-causal batch)")
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold)
+        # A decode row owns exactly one q row. Rows of q_len 0 only pad a batch (vLLM puts
+        # them last, seq_len 0); should they ever outnumber the decode tokens, the extra
+        # ones run as (empty) extend rows, which write nothing.
+        num_decodes = min(num_decodes, num_decode_tokens)
+        # Columns past max_model_len can hold no token of a request.
+        block_table = cam.block_table_tensor[:, :self.max_pages]
+        plan = self.attention.plan(cam.query_start_loc, cam.seq_lens, block_table, num_decodes=num_decodes,
+                                   max_q_len=cam.max_query_len)
+        return EvenKVMetadata(
+            num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len, max_seq_len=cam.max_seq_len,
+            num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens, query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
+            block_table=block_table, slot_mapping=cam.slot_mapping, attention=self.attention, plan=plan)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> EvenKVMetadata:
+        """As ``build``, for the pure-decode batch vLLM captures. Only the addresses matter
+        to the graph: the decode plan lives in this builder's buffers and the block table
+        in vLLM's persistent one, so every replay reads what the step's ``build`` wrote."""
+        metadata = self.build(0, common_attn_metadata)
+        if metadata.num_prefills:
+            raise RuntimeError(f"evenkv: vLLM asked for a full CUDA graph of a batch with {metadata.num_prefills} "
+                               "non-decode requests; this backend declares UNIFORM_SINGLE_TOKEN_DECODE")
+        return metadata
+
+
+def kv_cache_slot_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache (NHD in memory) as evenkv's
+    ``k_cache, v_cache [num_slots, Hkv, D]`` views, slot = block * block_size + offset.
+
+    Raises ValueError (never copies) when the memory layout is not NHD-with-contiguous-blocks,
+    e.g. ``VLLM_KV_CACHE_LAYOUT=HND`` or padded pages.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(f"kv_cache: expected [num_blocks, Hkv, block_size, 2*{head_size}], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    try:
+        slots = kv_cache.transpose(1, 2).view(num_blocks * block_size, num_kv_heads, 2 * head_size)
+    except RuntimeError as err:
+        raise ValueError(f"kv_cache: evenkv needs vLLM's NHD layout with contiguous blocks, got shape "
+                         f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()}") from err
+    return slots[..., :head_size], slots[..., head_size:]
+
+
+class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
+    """One attention layer: KV write (``do_kv_cache_update``) and attention (``forward``)."""
+
+    supports_dcp: bool = False  # 0.26 defaults to True; evenkv returns no LSE
+    can_return_lse_for_decode: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None, **extra: Any) -> None:
+        # Everything the kernels would silently ignore is refused here, where the model's
+        # layers are built: these switches do not reach validate_configuration.
+        reasons = []
+        if alibi_slopes is not None:
+            reasons.append("ALiBi slopes")
+        if sliding_window is not None:
+            reasons.append(f"sliding window {sliding_window}")
+        if logits_soft_cap:
+            reasons.append(f"logits soft-cap {logits_soft_cap} (the decode kernel applies none yet)")
+        if sinks is not None:
+            reasons.append("attention sinks")
+        if attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {attn_type}")
+        if kv_cache_dtype not in EvenKVBackend.supported_kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}")
+        if head_size not in _supported_head_dims():
+            reasons.append(f"head_size {head_size}")
+        # Extra switches vLLM passes for other backends; their "off" values are accepted.
+        for name, value in extra.items():
+            if value is not None and value is not False and not (name == "chunk_lookback" and value == -1):
+                reasons.append(f"{name}={value!r}")
+        if reasons:
+            raise NotImplementedError("evenkv attention backend (CUSTOM) does not support: " + "; ".join(reasons))
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = None
+        self.logits_soft_cap = None
+        self.sinks = None
+        self.alibi_slopes = None
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """key, value [T, Hkv, D] -> cache slots ``slot_mapping`` [N] (N <= T; -1 = padding, skipped)."""
+        from evenkv.decode import write_kv
+
+        if kv_cache.numel() == 0:  # the placeholder a layer holds before vLLM binds its cache
+            return
+        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        n = min(slot_mapping.shape[0], key.shape[0])
+        write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n])
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: EvenKVMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, Hq, D], kv_cache [num_blocks, Hkv, block_size, 2*D] -> output [T, Hq, D] (in place).
+
+        The new tokens' K/V are already in the cache (``do_kv_cache_update`` ran first), so
+        ``key``/``value`` are not read. Rows past ``num_actual_tokens`` are left as they are.
+        """
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("evenkv: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / dummy run: no batch to attend over
+            return output.fill_(0)
+        md = attn_metadata
+        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        n = md.num_actual_tokens
+        md.attention.run(md.plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale)
+        return output
+
+
+__all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "kv_cache_slot_views",
+           "KERNEL_BLOCK_SIZES", "POLICY_ENV"]

@@ -1,0 +1,177 @@
+"""Thin launchers for the decode, merge, plan and KV-write kernels.
+
+Each launcher sizes the grid, passes strides and compile-time constants, and
+launches; it does not validate (``evenkv.DecodeAttention`` and ``evenkv.write_kv``
+do) and it allocates nothing.
+"""
+
+import torch
+import triton
+
+from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kernel, merge_units_kernel
+from .kv_write import kv_write_kernel
+from .launching import LOG2E, launch_or_compile
+from .plan import plan_stream_kernel
+
+# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
+# chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
+# a few CTAs with a [CTAs, chunk] compare tile of at most PLAN_COMPARE_TILE elements, about
+# one program per SM (docs/tuning.md "Decode, the plan kernel").
+PLAN_MAX_BLOCK_B = 2048
+PLAN_COMPARE_TILE = 16384
+# A merge step's tile: [BLOCK_P partials, query rows, head-dim columns] of MERGE_TILE
+# elements, 32 fp32 per thread at MERGE_NUM_WARPS warps. merge_stream_kernel runs one
+# program per CTA boundary (one wave) and splits a segment of many pieces into items of one
+# row and MERGE_CHUNK_D columns, so up to 128 pieces take one step (docs/tuning.md
+# "Decode, the merge").
+MERGE_TILE = 4096
+MERGE_CHUNK_D = 32
+MERGE_NUM_WARPS = 4
+# merge_stream_kernel merges a segment of at most MERGE_WHOLE_PIECES pieces in one program
+# (all rows in one step); one of more pieces has at least that many programs to share it.
+# (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
+MERGE_WHOLE_PIECES = 8
+# The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself (its
+# last piece to arrive), one partial ([G rows, head_dim]) per step; segments of more pieces
+# go to merge_stream_kernel's grid (docs/tuning.md "Decode, the merge").
+FUSED_MERGE_PIECES = 4
+# The stream kernel loads the lengths of requests c, c + C, ..., c + (EMPTY_SCAN - 1) C at
+# its start, in one vector load, to find the empty ones it writes zeros for; rows past
+# that (B > EMPTY_SCAN * C) are scanned one by one.
+EMPTY_SCAN = 16
+
+def group_rows(group_size: int) -> int:
+    """Rows of the packed-GQA tile: G padded to a power of two and to the 16-row MMA minimum."""
+    return max(16, triton.next_power_of_2(group_size))
+
+
+def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_PAD=group_rows(group_size),
+                HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def merge_units_constants(group_size: int, head_dim: int) -> dict:
+    """The units merge gives each program one of a segment's G query rows (a request of
+    many splits gets G programs per KV head) and reduces [BLOCK_P partials, 1, head dim]
+    tiles of MERGE_TILE elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d))
+
+
+def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool) -> dict:
+    """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of
+    MERGE_TILE elements (all rows; one row; one row's MERGE_CHUNK_D columns)."""
+    block_d = triton.next_power_of_2(head_dim)
+    g_rows = triton.next_power_of_2(group_size)
+    chunk_d = min(MERGE_CHUNK_D, block_d)
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_ROWS=g_rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))),
+                ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
+                CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
+                USE_PDL=use_pdl)
+
+
+def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
+                     use_pdl: bool) -> dict:
+    """Compile-time constants of ``decode_stream_kernel``. Its own merge takes all of a
+    segment's G rows (MERGE_ROWS, padded to a power of two) of one partial per step."""
+    return dict(_shape_constants(num_kv_heads, group_size, head_dim), PAGE_SIZE=page_size, BLOCK_N=config.block_n,
+                NUM_STAGES=config.num_stages, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=triton.next_power_of_2(group_size),
+                EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
+
+
+def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
+                       capacity: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
+                       warmup: bool = False):
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``).
+
+    The chunk is the batch rounded up to a power of two (128 .. PLAN_MAX_BLOCK_B), so a
+    graph captured at one batch size keeps one compiled variant. Each program answers
+    ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
+    would pass PLAN_COMPARE_TILE elements."""
+    block_b = min(max(triton.next_power_of_2(seq_lens.shape[0]), 128), PLAN_MAX_BLOCK_B)
+    block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
+    return launch_or_compile(
+        plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup, seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
+        seq_lens.shape[0], capacity, num_ctas,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=8 if block_b >= 1024 else 4)
+
+
+def _cache_strides(q, k_cache, v_cache, out, page_table):
+    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), page_table.stride(0))
+
+
+def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
+                         active_req, cta_start, plan_scalars, sm_scale: float,
+                         num_ctas: int, page_size: int, config, use_pdl: bool, warmup: bool = False):
+    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
+    o_part/lse_part hold 2 * num_ctas slots, merge_counters [num_ctas] int32 zeros).
+    use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start early (sm90)."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    return launch_or_compile(
+        decode_stream_kernel, (num_ctas,), warmup, q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req,
+        cta_start, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E,
+        q.shape[0], **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl),
+        num_warps=config.num_warps, maxnreg=config.max_registers)
+
+
+def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas: int, num_kv_heads: int, config,
+                        use_pdl: bool, warmup: bool = False):
+    """Grid (C,): one program per CTA boundary (see merge_stream_kernel). use_pdl:
+    launched as a programmatic dependent of the decode kernel (sm90 only)."""
+    pdl = dict(launch_pdl=True) if use_pdl else {}
+    return launch_or_compile(
+        merge_stream_kernel, (num_ctas,), warmup, o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl),
+        num_warps=MERGE_NUM_WARPS, **pdl)
+
+
+def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+                        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
+                        sm_scale: float, grid: int, persistent: bool, page_size: int, config, warmup: bool = False):
+    """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    return launch_or_compile(
+        decode_units_kernel, (grid,), warmup, q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E,
+        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+        PERSISTENT=persistent, num_warps=config.num_warps, maxnreg=config.max_registers)
+
+
+def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, warmup: bool = False):
+    batch, num_q_heads, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    return launch_or_compile(
+        merge_units_kernel, (batch * num_kv_heads, group), warmup, o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, num_warps=MERGE_NUM_WARPS, **merge_units_constants(group, head_dim))
+
+
+def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, warmup: bool = False):
+    """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip)."""
+    num_tokens, num_kv_heads, head_dim = k_new.shape
+    return launch_or_compile(
+        kv_write_kernel, (num_tokens,), warmup, k_new, v_new, k_cache, v_cache, slot_mapping,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+
+
+def resident_ctas_per_sm(compiled, device: torch.device) -> int:
+    """CTAs of a compiled kernel that fit on one SM at once, from its registers and shared memory.
+
+    Registers are allocated per warp in units of 256; the hardware reserves 1 KiB of
+    shared memory per CTA on SM80 and later.
+    """
+    props = torch.cuda.get_device_properties(device)
+    num_warps = compiled.metadata.num_warps
+    regs_per_warp = triton.cdiv(max(compiled.n_regs, 1) * 32, 256) * 256
+    by_regs = (props.regs_per_multiprocessor // regs_per_warp) // num_warps
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    smem_per_sm = props.shared_memory_per_multiprocessor
+    by_smem = smem_per_sm // (compiled.metadata.shared + 1024)
+    return max(1, min(by_regs, by_threads, by_smem, 32))

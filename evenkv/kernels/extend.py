@@ -1,0 +1,350 @@
+"""Triton kernels for extend / prefill attention over a paged KV cache (q_len >= 1).
+
+Work unit: a *query block* = BLOCK_M packed rows of one request for one KV head.
+Packed row r of a request stands for query ``r // G`` and query head ``h * G + r % G``
+(PackGQA: the G query heads that share KV head h sit in the same tile, so each K/V
+tile is loaded once for all of them, and any G works, 5 and 7 included). A request
+with q_len queries has ``ceil(q_len * G / BLOCK_M)`` blocks per KV head.
+
+Positions: query i of request b sits at absolute position ``seq_len - q_len + i``
+(``seq_len`` counts the new tokens) and, when causal, sees KV positions ``<= `` its
+own; with a sliding window W it sees ``[p - W + 1, p]``. KV position t comes from
+
+* the paged cache, slot ``page_table[b, t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE``,
+  for every t (vLLM layout, ``HAS_NEW = False``), or
+* the cache for t < seq_len - q_len and ``k_new[cu_seqlens_q[b] + t - (seq_len - q_len)]``
+  for the new tokens (SGLang layout, ``HAS_NEW = True``).
+
+Each source is walked in BLOCK_N tiles split into three loops: tiles that need a
+mask at the window's left edge, tiles that need none (every row sees every key: the
+bulk of a long prefill, so it runs without mask arithmetic), and tiles that need the
+causal or end-of-source mask. Softmax runs in base 2 (scores scaled by
+``sm_scale * log2(e)`` in fp32 so ``exp2`` replaces ``exp``); accumulation is fp32.
+
+Schedule: one program per (query block, KV head), KV head fastest. Programs are
+numbered in the order the extend plan kernel gives: requests by decreasing
+``seq_len`` (the cost of their heaviest block), and inside a request from its last
+(heaviest, it sees the most keys) block to its first. The hardware hands programs
+to SMs in increasing id as SMs free up, so this is longest-processing-time-first
+list scheduling, which keeps the tail short for skewed (chunked-prefill) batches.
+The grid is an upper bound from host ints (no sync); surplus programs exit at once.
+
+Offsets that multiply a token, slot or page index by a stride are int64: a cache or
+a batch of queries can pass 2**31 elements.
+"""
+
+import triton
+import triton.language as tl
+
+from .numerics import dot, dot_acc, narrow
+
+@triton.jit
+def extend_plan_kernel(
+    cu_seqlens_ptr, seq_lens_ptr, order_ptr, sorted_start_ptr,
+    batch_size, req_begin,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """Order the requests and give each its first query-block index, with no host sync.
+
+    A request's key is its seq_len (LPT) or 0 (request order); requests with no
+    blocks (q_len 0, or index < req_begin: rows another kernel handles) get key -1
+    and go last. Request i precedes j when key_i > key_j, or the keys tie and i < j.
+    Program p ranks requests [p*BLOCK_I, (p+1)*BLOCK_I) by counting predecessors
+    (a BLOCK_I x BLOCK_J compare tile per step), and writes
+    ``order[rank_i] = i`` and ``sorted_start[rank_i] = sum of predecessors' blocks``.
+
+    Worked example (G = 1, BLOCK_M = 16, LPT): q_lens [40, 0, 10], seq_lens
+    [40, 5, 90] -> blocks [3, 0, 1], keys [40, -1, 90] -> order [2, 0, 1],
+    sorted_start [0, 1, 4].
+    """
+    pid = tl.program_id(0)
+    offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask_i = offs_i < batch_size
+    key_i, _ = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, G, BLOCK_M, LPT)
+    rank = tl.zeros([BLOCK_I], tl.int32)
+    start = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, batch_size, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        mask_j = offs_j < batch_size
+        key_j, blocks_j = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, G, BLOCK_M, LPT)
+        before = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
+        before = before & mask_j[None, :]
+        rank += tl.sum(before.to(tl.int32), 1)
+        start += tl.sum(tl.where(before, blocks_j[None, :], 0), 1)
+    tl.store(order_ptr + rank, offs_i, mask=mask_i)
+    tl.store(sorted_start_ptr + rank, start, mask=mask_i)
+
+
+@triton.jit
+def _request_key(cu_seqlens_ptr, seq_lens_ptr, offs, mask, req_begin,
+                 G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr):
+    q_begin = tl.load(cu_seqlens_ptr + offs, mask=mask, other=0).to(tl.int32)
+    q_end = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0).to(tl.int32)
+    blocks = tl.cdiv(tl.maximum(q_end - q_begin, 0) * G, BLOCK_M)
+    blocks = tl.where(offs >= req_begin, blocks, 0)
+    if LPT:
+        key = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int32)
+    else:
+        key = tl.zeros_like(blocks)
+    key = tl.where(blocks > 0, key, -1)
+    return key, blocks
+
+
+@triton.jit
+def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V row offsets ([BLOCK_N] int64) of the tile's positions ``tile * BLOCK_N + [0,
+    BLOCK_N)`` relative to its source's first position.
+
+    PAGED (the cache, whose first position is 0): position t is read at ``page_table[t //
+    PAGE_SIZE] * stride_page + (t % PAGE_SIZE) * stride_off``. Page sizes and BLOCK_N are
+    powers of two, so a tile is whole pages (its in-page offsets do not depend on the
+    tile: the compiler hoists them out of the loop) or part of one page (one page-table
+    entry). MASKED: entries are read only where in_range (None for unmasked tiles, known
+    to be in range). Not PAGED (k_new / v_new rows): row t at ``t * stride_page``.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAGED:
+        if BLOCK_N >= PAGE_SIZE:
+            entry = tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE
+            in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+        else:
+            entry = tl.zeros_like(offs_n) + (tile * BLOCK_N) // PAGE_SIZE
+            in_page = ((tile * BLOCK_N) % PAGE_SIZE + offs_n).to(tl.int64)
+        if MASKED:
+            page = tl.load(page_row_ptr + entry, mask=in_range, other=0)
+        else:
+            page = tl.load(page_row_ptr + entry)
+        page = page.to(tl.int64)
+        return page * stride_k_page + in_page * stride_k_off, page * stride_v_page + in_page * stride_v_off
+    else:
+        rel = (tile * BLOCK_N + offs_n).to(tl.int64)
+        return rel * stride_k_page, rel * stride_v_page
+
+
+@triton.jit
+def _load_rows(base, row_off, in_range, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``base + row_off`` ([BLOCK_N] int64 offsets) -> [BLOCK_N, BLOCK_D]; rows out of
+    range (MASKED only) and padded dims (D = 80, 96) load as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = base + row_off[:, None] + offs_d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale,
+                    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step on raw scores s [BLOCK_M, BLOCK_N] fp32 = q . k.
+
+    MASKED: key tok[j] is seen by row r iff in_range[j], tok[j] <= row_pos[r] and
+    (WINDOW) tok[j] > row_pos[r] - window; unmasked tiles are known to satisfy all three
+    (tok, in_range, row_pos and window are then unused).
+    Returns p [BLOCK_M, BLOCK_N] (unnormalised probabilities, base 2), alpha [BLOCK_M]
+    (the rescale of the old accumulator), and the new m, l [BLOCK_M] fp32.
+    """
+    if SOFTCAP:
+        # cap * tanh(y) in base 2, y = s * sm_scale / cap, tanh(y) = 1 - 2 / (e^{2y} + 1):
+        # qk_scale = 2 * log2(e) * sm_scale / cap, cap_scale = cap * log2(e). Saturates to
+        # +-cap_scale without inf / inf.
+        e = tl.exp2(s * qk_scale)
+        s = cap_scale - (2.0 * cap_scale) / (e + 1.0)
+    if MASKED:
+        seen = in_range[None, :] & (tok[None, :] <= row_pos[:, None])
+        if WINDOW:
+            seen = seen & (tok[None, :] > row_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    # Without a cap the scale is applied inside exp2's argument (one FMA per score;
+    # max commutes with a positive scale).
+    if SOFTCAP:
+        m_new = tl.maximum(m, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so that
+        # exp2(-inf - -inf) never makes a NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    if SOFTCAP:
+        p = tl.exp2(s - m_sub[:, None])
+    else:
+        p = tl.exp2(tl.fma(s, qk_scale, -m_sub[:, None]))
+    alpha = tl.exp2(m - m_sub)
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+    page_row_ptr, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Online softmax of q [BLOCK_M, BLOCK_D] against tiles [tile_begin, tile_end).
+
+    Tile t holds KV positions tok_base + t*BLOCK_N + [0, BLOCK_N), addressed as in
+    ``_tile_rows``; MASKED tiles are masked as in ``_online_softmax``, the others are
+    seen in full by every row (the bulk of a long prefill, run without mask arithmetic).
+    Returns the updated (acc [BLOCK_M, BLOCK_D] fp32 unnormalised, m, l [BLOCK_M] fp32).
+    """
+    for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+        if MASKED:
+            tok = tok_base + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            in_range = tok < kv_end
+        else:
+            tok = None
+            in_range = None
+        k_off, v_off = _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page,
+                                  stride_v_off, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
+        k = _load_rows(k_base, k_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
+        s = dot(q, tl.trans(k))
+        p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, MASKED,
+                                         WINDOW, SOFTCAP)
+        v = _load_rows(v_base, v_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
+        acc = dot_acc(narrow(p, v.dtype), v, acc * alpha[:, None])
+    return acc, m, l
+
+
+@triton.jit
+def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
+    """Split positions [lo, hi) (relative to the source's first position) into tiles:
+    [t_begin, f_begin) masked, [f_begin, f_end) unmasked (inside [full_lo, full_hi)),
+    [f_end, t_end) masked. Empty when hi <= lo."""
+    t_begin = lo // BLOCK_N
+    t_end = tl.where(hi > lo, tl.cdiv(hi, BLOCK_N), t_begin)
+    f_begin = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(full_lo, lo), BLOCK_N), t_begin), t_end)
+    f_end = tl.minimum(tl.maximum(tl.minimum(full_hi, hi) // BLOCK_N, f_begin), t_end)
+    return t_begin, f_begin, f_end, t_end
+
+
+@triton.jit
+def _attend_source(
+    acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+    page_row_ptr, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Attend to positions [lo, hi) of one source (relative to its first position
+    tok_base): masked tiles, then the tiles inside [full_lo, full_hi) without masks, then
+    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``)."""
+    t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t0, t1, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t1, t2, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+                              page_row_ptr, row_pos, tok_base, t2, t3, kv_end, window, qk_scale, cap_scale, PAGED,
+                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    return acc, m, l
+
+
+@triton.jit
+def extend_kernel(
+    q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, out_ptr,
+    cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr,
+    batch_size, req_begin, capacity, window, qk_scale, cap_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_k_page, stride_k_off, stride_k_head, stride_v_page, stride_v_off, stride_v_head,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_pt,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_NEW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Program (x, h) = pid // Hkv, pid % Hkv: query block x of the planned order, KV head h.
+
+    q [total_q, Hq, D], out [total_q, Hq, D] (row stride, head stride; unit stride in D);
+    caches addressed as page * stride_page + offset * stride_off + head * stride_head;
+    k_new/v_new [total_q, Hkv, D] (HAS_NEW); page_table [B, max_pages] int32 (row stride
+    stride_pt); capacity = max_pages * PAGE_SIZE bounds every cache position read.
+    """
+    pid = tl.program_id(0)
+    h = pid % NUM_KV_HEADS
+    x = pid // NUM_KV_HEADS
+    # Sorted position of x's request: the last r with sorted_start[r] <= x (sorted_start
+    # is non-decreasing and starts at 0), found by counting instead of a serial search.
+    count = tl.zeros([], tl.int32)
+    for b0 in range(0, batch_size, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        starts = tl.load(sorted_start_ptr + offs_b, mask=offs_b < batch_size, other=2147483647)
+        count += tl.sum((starts <= x).to(tl.int32), 0)
+    r = count - 1
+    b = tl.load(order_ptr + r)
+    local = x - tl.load(sorted_start_ptr + r)
+    q_begin = tl.load(cu_seqlens_ptr + b).to(tl.int32)
+    q_len = tl.load(cu_seqlens_ptr + b + 1).to(tl.int32) - q_begin
+    n_blocks = tl.where(b >= req_begin, tl.cdiv(tl.maximum(q_len, 0) * G, BLOCK_M), 0)
+    if local < n_blocks:
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        prefix = seq_len - q_len
+        block = n_blocks - 1 - local  # heaviest block first
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        qi = offs_m // G
+        row_valid = qi < q_len
+        qi = tl.minimum(qi, q_len - 1)  # padded rows copy the last query (never stored)
+        head = h * G + offs_m % G
+        offs_d = tl.arange(0, BLOCK_D)
+        row_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        q_rows = (q_begin + qi).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :],
+                    mask=row_mask, other=0.0)
+
+        if CAUSAL:
+            row_pos = prefix + qi
+            pos_lo = prefix + (block * BLOCK_M) // G
+            pos_hi = prefix + tl.minimum((block * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+        else:
+            row_pos = tl.zeros_like(qi) + (seq_len - 1)
+            pos_lo = seq_len - 1
+            pos_hi = seq_len - 1
+        # Keys some row may see: [kv_lo, pos_hi + 1); keys every row sees: [full_lo, pos_lo + 1).
+        if WINDOW:
+            kv_lo = tl.maximum(pos_lo - window + 1, 0)
+            full_lo = pos_hi - window + 1
+        else:
+            kv_lo = 0
+            full_lo = 0
+        kv_hi = pos_hi + 1
+        full_hi = pos_lo + 1
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # Source 1: the paged cache, positions [0, cache_end).
+        if HAS_NEW:
+            cache_end = prefix
+        else:
+            cache_end = seq_len
+        cache_end = tl.minimum(cache_end, capacity)
+        page_row = page_table_ptr + b.to(tl.int64) * stride_pt
+        k_head = k_ptr + h.to(tl.int64) * stride_k_head
+        v_head = v_ptr + h.to(tl.int64) * stride_v_head
+        c_hi = tl.minimum(kv_hi, cache_end)
+        acc, m, l = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
+                                   stride_v_off, page_row, row_pos, 0, kv_lo, c_hi, full_lo, full_hi, cache_end,
+                                   window, qk_scale, cap_scale, True, PAGE_SIZE, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, NUM_STAGES)
+        if HAS_NEW:
+            # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new.
+            kn = k_new_ptr + q_begin.to(tl.int64) * stride_knt + h.to(tl.int64) * stride_knh
+            vn = v_new_ptr + q_begin.to(tl.int64) * stride_vnt + h.to(tl.int64) * stride_vnh
+            acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos, prefix,
+                                       tl.maximum(kv_lo - prefix, 0), kv_hi - prefix, full_lo - prefix,
+                                       full_hi - prefix, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
+                                       WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+
+        # A row that saw no key (only possible for inconsistent lengths) is written as zeros.
+        safe_l = tl.where(l > 0, l, 1.0)
+        o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
+                 narrow(o, out_ptr.dtype.element_ty), mask=row_mask)

@@ -1,0 +1,82 @@
+"""Thin launchers for the extend plan and extend kernels.
+
+Each launcher sizes the grid, passes strides and compile-time constants, and launches;
+it does not validate (``evenkv.extend`` and ``evenkv.Attention`` do) and it
+allocates nothing. Cache strides are passed as (page, offset-in-page, head) so a
+cache viewed as ``[num_slots, Hkv, D]`` (any slot/head strides) and one viewed as
+``[num_pages, page_size, Hkv, D]`` (any strides, HND included) take the same path.
+"""
+
+import triton
+
+from .extend import extend_kernel, extend_plan_kernel
+from .launching import LOG2E, launch_or_compile
+
+# The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
+# time (a [64, 128] compare tile per step).
+PLAN_BLOCK_I = 64
+PLAN_BLOCK_J = 128
+# The extend kernel counts sorted starts in chunks of this many requests (fixed, so the
+# batch size never triggers a recompile; larger batches loop).
+SEARCH_BLOCK = 256
+
+
+def num_query_blocks_bound(total_q: int, batch_size: int, max_q_len: int, group_size: int, block_m: int) -> int:
+    """Upper bound on sum_b ceil(q_len_b * G / block_m) from host ints only.
+
+    sum ceil(a_b / M) <= floor(sum a_b / M) + B (each ceil adds < 1), and each term is
+    at most ceil(max_q_len * G / M); sum a_b <= total_q * G since cu_seqlens_q[-1] <= total_q.
+    """
+    by_total = (total_q * group_size) // block_m + batch_size
+    by_max = batch_size * triton.cdiv(max_q_len * group_size, block_m)
+    return max(0, min(by_total, by_max))
+
+
+def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, *, req_begin: int, group_size: int,
+                       block_m: int, lpt: bool, warmup: bool = False):
+    """cu_seqlens_q [B+1], seq_lens [B] -> order [B] int32, sorted_start [B] int32 (see the kernel)."""
+    batch = seq_lens.shape[0]
+    return launch_or_compile(
+        extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup, cu_seqlens_q, seq_lens, order, sorted_start, batch, req_begin,
+        G=group_size, BLOCK_M=block_m, LPT=lpt, BLOCK_I=PLAN_BLOCK_I, BLOCK_J=PLAN_BLOCK_J, num_warps=4)
+
+
+def cache_strides(cache, page_size: int) -> tuple[int, int, int]:
+    """(stride_page, stride_offset, stride_head) of a [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D] view."""
+    if cache.dim() == 3:
+        return cache.stride(0) * page_size, cache.stride(0), cache.stride(1)
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
+def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
+                  *, num_programs_bound: int, req_begin: int, page_size: int, sm_scale: float, causal: bool,
+                  window: int | None, logit_cap: float | None, block_m: int, block_n: int, num_warps: int,
+                  num_stages: int, warmup: bool = False):
+    """One program per (query block, KV head) of the plan; ``num_programs_bound`` query blocks at most.
+
+    q/out [total_q, Hq, D]; k_cache/v_cache as in ``cache_strides``; k_new/v_new
+    [total_q, Hkv, D] or None; page_table [B, max_pages] int32.
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[-2]
+    batch = seq_lens.shape[0]
+    grid = num_programs_bound * num_kv_heads
+    if (grid == 0 or batch == 0) and not warmup:
+        return None
+    if logit_cap:  # see the SOFTCAP branch of the kernel
+        qk_scale, cap_scale = 2.0 * LOG2E * sm_scale / logit_cap, logit_cap * LOG2E
+    else:
+        qk_scale, cap_scale = sm_scale * LOG2E, 1.0
+    has_new = k_new is not None
+    kn, vn = (k_new, v_new) if has_new else (q, q)  # unused pointers when not HAS_NEW
+    ks, vs = cache_strides(k_cache, page_size), cache_strides(v_cache, page_size)
+    return launch_or_compile(
+        extend_kernel, (max(grid, 1),), warmup, q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
+        batch, req_begin, page_table.shape[1] * page_size, window or 0, qk_scale, cap_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), page_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, G=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+        CAUSAL=causal, HAS_NEW=has_new, WINDOW=window is not None, SOFTCAP=bool(logit_cap),
+        BLOCK_B=SEARCH_BLOCK, NUM_STAGES=num_stages, num_warps=num_warps)

@@ -1,0 +1,33 @@
+"""Triton kernel that scatters new K/V rows into a paged cache.
+
+``k_cache[slot_mapping[i], h, :] = k_new[i, h, :]`` (same for V) for every token i
+whose slot is >= 0; a negative slot (a padded token) is skipped.
+"""
+
+import triton
+import triton.language as tl
+
+from .numerics import narrow
+
+
+@triton.jit
+def kv_write_kernel(
+    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per new token; writes its [NUM_KV_HEADS, HEAD_DIM] K and V rows."""
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_new_ptr + tok * stride_kn_tok + offs_h[:, None] * stride_kn_head + offs_d[None, :], mask=mask)
+        v = tl.load(v_new_ptr + tok * stride_vn_tok + offs_h[:, None] * stride_vn_head + offs_d[None, :], mask=mask)
+        tl.store(k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_head + offs_d[None, :],
+                 narrow(k, k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_head + offs_d[None, :],
+                 narrow(v, v_cache_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,103 @@
+"""Triton prepare kernel for the ``balanced`` (stream-K) decode schedule.
+
+From device ``seq_lens`` it writes, with no host sync and into preallocated buffers:
+
+* ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
+  reach), so the decode kernel can never index past a page-table row;
+* ``active_req [B, 2] int32``  the non-empty requests in batch order, each as (batch
+  index, clamped length): the decode kernel walks this list, so it never steps over empty
+  requests one by one, and reads a request's index and length in two independent loads
+  (not a length load that waits for the index load);
+* ``cta_start [C, 4] int32``  where CTA c starts walking: the first request whose cost
+  range ends after ``c * piece``, as (its index into ``active_req``, its batch index,
+  its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
+  end. The decode kernel reads these with its other scalars in one round trip instead
+  of a chain of three dependent loads;
+* ``plan_scalars [4] int32``  (piece, total, number of active requests, tiles of the
+  longest request) with ``piece = max(ceil(total / C), 1)``.
+
+Worked example (Hkv = 1, BLOCK_N = 16, C = 4):
+seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [7, 0, 2], total 9, piece 3,
+cost starts [0, 7, 7]; active_req = [[0, 100], [2, 20]]; CTA starts at cost 0, 3, 6, 9
+-> cta_start = [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [2, 3, 0, 9]]
+(request 1 is empty and never visited; CTA 3 starts past the end).
+
+Requests lie end to end on one cost line: a request of n tiles costs ``Hkv * n``; its cost
+start is the exclusive prefix sum.
+
+Each program recomputes the (cheap, L2-resident) prefix sum and answers BLOCK_C CTAs
+by counting ``req_cost_end <= c * piece`` instead of a serial binary search. Requests end
+in batch order, so the ended ones are a prefix: the first request still open is the
+count of ended ones, and its length and cost start are read off the same compare tile.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    mask = offs < batch_size
+    # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
+    seq_len = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity).to(tl.int32)
+    cost = tl.cdiv(seq_len, BLOCK_N) * NUM_KV_HEADS
+    return seq_len, cost, mask
+
+
+@triton.jit
+def plan_stream_kernel(
+    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
+    batch_size, capacity, num_ctas,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    total = tl.zeros([], tl.int32)
+    max_len = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        seq_len, cost, _ = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
+        total += tl.sum(cost, 0)
+        max_len = tl.maximum(max_len, tl.max(seq_len, 0))
+    piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
+
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    cta_pos = offs_c * piece
+    first_active = tl.zeros([BLOCK_C], tl.int32)
+    first_req = tl.zeros([BLOCK_C], tl.int32)
+    first_len = tl.zeros([BLOCK_C], tl.int32)
+    first_cost_start = tl.zeros([BLOCK_C], tl.int32)
+    carry = tl.zeros([], tl.int32)
+    active_carry = tl.zeros([], tl.int32)
+    writer = pid == 0
+    for start in range(0, batch_size, BLOCK_B):
+        offs = start + offs_b
+        seq_len, cost, mask = _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
+        cost_end = tl.cumsum(cost, 0) + carry
+        cost_start = cost_end - cost
+        tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
+        active = cost > 0
+        rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
+        tl.store(active_req_ptr + 2 * rank, offs, mask=active & writer)
+        tl.store(active_req_ptr + 2 * rank + 1, seq_len, mask=active & writer)
+        ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
+        first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
+        first_req += tl.sum(ended.to(tl.int32), 1)
+        # The first open request is request first_req once every chunk is counted; it
+        # is in this chunk iff it is there after this chunk's count.
+        is_first = (offs[None, :] == first_req[:, None]) & mask[None, :]
+        first_len += tl.sum(tl.where(is_first, seq_len[None, :], 0), 1)
+        first_cost_start += tl.sum(tl.where(is_first, cost_start[None, :], 0), 1)
+        carry += tl.sum(cost, 0)
+        active_carry += tl.sum(active.to(tl.int32), 0)
+    first_cost_start = tl.where(first_req < batch_size, first_cost_start, total)
+    cta_mask = offs_c < num_ctas
+    tl.store(cta_start_ptr + 4 * offs_c, first_active, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 1, first_req, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 2, first_len, mask=cta_mask)
+    tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
+    if writer:
+        tl.store(plan_scalars_ptr, piece)
+        tl.store(plan_scalars_ptr + 1, total)
+        tl.store(plan_scalars_ptr + 2, active_carry)
+        tl.store(plan_scalars_ptr + 3, tl.cdiv(max_len, BLOCK_N))

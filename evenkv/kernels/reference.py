@@ -1,0 +1,143 @@
+"""Plain-torch fp32 oracles for every evenkv kernel, used by the tests and by the
+benchmark's correctness check. Slow and simple on purpose: loops over requests,
+no paging tricks.
+"""
+
+import math
+
+import torch
+
+
+def gather_request_kv(cache: torch.Tensor, page_table_row: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
+    """Rows of one request from a paged cache.
+
+    cache [num_slots, Hkv, D]; page_table_row [max_pages] int; returns [seq_len, Hkv, D]
+    (same dtype as cache), slot of token t = page_table_row[t // page_size] * page_size + t % page_size.
+    """
+    tok = torch.arange(seq_len, device=cache.device)
+    pages = page_table_row[tok // page_size].long()
+    return cache[pages * page_size + tok % page_size]
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax attention of one request.
+
+    q [Hq, D], k/v [L, Hkv, D] -> (out [Hq, D] fp32, lse [Hq] fp32, natural log).
+    Query head j reads KV head j // (Hq // Hkv). L == 0 gives zeros and lse = -inf.
+    """
+    hq, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] == 0:
+        return torch.zeros(hq, d, dtype=torch.float32, device=q.device), torch.full((hq,), -math.inf, device=q.device)
+    group = hq // hkv
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q.float(), kf) * sm_scale
+    lse = torch.logsumexp(scores, dim=1)
+    out = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=1), vf)
+    return out, lse
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     page_table: torch.Tensor, page_size: int, sm_scale: float | None = None) -> torch.Tensor:
+    """Paged decode attention in fp32.
+
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D]; seq_lens [B] int;
+    page_table [B, max_pages] int32. Returns [B, Hq, D] fp32 (zeros where seq_len is 0).
+    """
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_request_kv(k_cache, page_table[b], seq_len, page_size)
+        v = gather_request_kv(v_cache, page_table[b], seq_len, page_size)
+        out[b] = attention_reference(q[b], k, v, sm_scale)[0]
+    return out
+
+
+def merge_reference(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> torch.Tensor:
+    """Merge partial attention results by log-sum-exp.
+
+    o_parts [S, ..., D] (each normalised over its own keys); lse_parts [S, ...] natural-log
+    LSE of each part. Returns the fp32 result over the union of the keys, [..., D].
+    """
+    weights = torch.softmax(lse_parts.float(), dim=0)
+    return (weights.unsqueeze(-1) * o_parts.float()).sum(0)
+
+
+def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """In place: cache[slot_mapping[i]] = new[i] for slot >= 0. k_new/v_new [N, Hkv, D]."""
+    keep = slot_mapping >= 0
+    k_cache[slot_mapping[keep].long()] = k_new[keep].to(k_cache.dtype)
+    v_cache[slot_mapping[keep].long()] = v_new[keep].to(v_cache.dtype)
+
+
+
+
+def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, *,
+                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                     sm_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
+                     logit_cap: float | None = None, compute_dtype: torch.dtype = torch.float32,
+                     max_scores: int = 1 << 26) -> torch.Tensor:
+    """Varlen paged extend attention, the same contract as ``evenkv.extend``.
+
+    q [total_q, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D];
+    cu_seqlens_q [B+1]; seq_lens [B] (KV length including the new tokens); page_table
+    [B, max_pages]; k_new/v_new None (new tokens already in the cache) or [total_q, Hkv, D]
+    (cache holds positions < seq_len - q_len only). Query i of request b is at position
+    seq_len - q_len + i; causal: sees keys <= its position; sliding_window W >= 1: keys in
+    [p - W + 1, p]; logit_cap c > 0: scores -> c * tanh(scores / c). None or 0 disables
+    window and cap.
+
+    compute_dtype: fp32 (the oracle) or the inputs' low dtype (torch's own low-precision
+    baseline for the tolerance rule: scores, softmax and PV rounded to that dtype).
+    max_scores: queries are processed in chunks of at most this many score entries, so
+    realistic shapes (32K queries x 64K keys) fit in memory. TF32 must be off (torch's default).
+    Returns [total_q, Hq, D] in compute_dtype; rows past cu_seqlens_q[-1] are zeros; a row
+    that sees no key is zeros.
+    """
+    if k_cache.dim() == 4:
+        k_cache = k_cache.reshape(-1, *k_cache.shape[2:])
+        v_cache = v_cache.reshape(-1, *v_cache.shape[2:])
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    out = torch.zeros(total_q, hq, d, dtype=compute_dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_begin, q_len = cu[b], cu[b + 1] - cu[b]
+        if q_len == 0:
+            continue
+        prefix = seq_len - q_len
+        if k_new is None:
+            k = gather_request_kv(k_cache, page_table[b], seq_len, page_size)
+            v = gather_request_kv(v_cache, page_table[b], seq_len, page_size)
+        else:
+            k = torch.cat([gather_request_kv(k_cache, page_table[b], prefix, page_size),
+                           k_new[q_begin:q_begin + q_len].to(k_cache.dtype)])
+            v = torch.cat([gather_request_kv(v_cache, page_table[b], prefix, page_size),
+                           v_new[q_begin:q_begin + q_len].to(v_cache.dtype)])
+        k = k.to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.to(compute_dtype).repeat_interleave(group, dim=1)
+        key_pos = torch.arange(seq_len, device=q.device)
+        chunk = max(1, max_scores // max(1, hq * seq_len))
+        for i0 in range(0, q_len, chunk):
+            i1 = min(q_len, i0 + chunk)
+            qb = q[q_begin + i0:q_begin + i1].to(compute_dtype)  # [n, Hq, D]
+            scores = torch.einsum("nhd,lhd->hnl", qb, k) * sm_scale
+            if logit_cap:
+                scores = logit_cap * torch.tanh(scores / logit_cap)
+            q_pos = prefix + torch.arange(i0, i1, device=q.device)
+            seen = torch.ones(i1 - i0, seq_len, dtype=torch.bool, device=q.device)
+            if causal:
+                seen &= key_pos[None, :] <= q_pos[:, None]
+            if sliding_window:
+                seen &= key_pos[None, :] > q_pos[:, None] - sliding_window
+            scores = scores.masked_fill(~seen[None], -math.inf)
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key -> zeros
+            out[q_begin + i0:q_begin + i1] = torch.einsum("hnl,lhd->nhd", probs, v)
+    return out

@@ -1,0 +1,144 @@
+"""Decode schedules (the plan's typed value) and the GPU planners that fill them.
+
+Policies (docs/design.md, "Decode policies"):
+
+* ``balanced`` -> :class:`StreamSchedule`: stream-K. All (request, KV head) segments
+  lie end to end on one cost line (a segment of n tiles costs n); CTA c of
+  C walks ``[c * piece, (c + 1) * piece)`` with ``piece = ceil(total / C)``. Balanced by
+  construction for any length distribution and any batch size. Filled by one Triton
+  prepare kernel (``evenkv.kernels.plan``).
+* ``fa3`` -> :class:`UnitSchedule`: FlashAttention-3's dynamic split, re-implemented:
+  ``blocks_per_sm = ceil(total_tiles * 1.1 * Hkv / num_sms)``,
+  ``splits[b] = clamp(ceil(tiles[b] / blocks_per_sm), 1, max_splits)``, requests
+  heaviest first, persistent CTAs pulling (request, split, head) units from an atomic
+  counter. No batch-size cap (FA3's one-CTA prepare kernel stops splitting above 992).
+  Filled by a few torch ops.
+* ``none``: one program per (request, KV head), no split; no schedule tensors.
+* ``deterministic=True`` (with ``balanced``) -> :class:`UnitSchedule` with
+  *fixed-chunk* splits: a request of n tiles is cut into
+  ``min(ceil(n / chunk), DETERMINISTIC_MAX_SPLITS)`` equal pieces, a function of its own
+  length only, and its pieces are merged in a fixed order, so its output is bitwise
+  the same whatever else shares the batch (stream-K boundaries move with the batch).
+
+Every planner works on device tensors only (no ``.item()``, no host sync) and writes
+into buffers allocated once by ``evenkv.DecodeAttention``, so planning can be
+captured in a CUDA graph. Worked example of the FA3 split (Hkv = 1, num_sms = 4,
+tiles = [10, 2, 0]): total 12, blocks_per_sm = ceil(12 * 1.1 / 4) = 4, splits =
+[3, 1, 1], tiles_per_split = [4, 2, 1]; order (heaviest first) = [0, 1, 2];
+units j = 0..4 -> (request, split) = (0,0) (0,1) (0,2) (1,0) (2,0).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .configs import DecodeConfig
+
+# FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
+FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
+FA3_MAX_SPLITS = 128
+# Batch-invariant splits: pieces of DETERMINISTIC_CHUNK_TOKENS, at most
+# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer pieces). The cap
+# bounds the partial workspace at max_batch_size x 16 (split, head) slots.
+DETERMINISTIC_CHUNK_TOKENS = 2048
+DETERMINISTIC_MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    """``balanced`` plan over num_ctas CTAs. active_req [B, 2] int32 (non-empty requests in
+    order: batch index, clamped length); cta_start [>= num_ctas, 4] int32 (row c: the request
+    CTA c starts in: its index into active_req, batch index, length, cost start; the buffer
+    is sized for the larger of the backend's grids); plan_scalars [4] int32 (piece, total,
+    active count, tiles of the longest request)."""
+
+    active_req: torch.Tensor
+    cta_start: torch.Tensor
+    plan_scalars: torch.Tensor
+    num_ctas: int
+
+
+@dataclass(frozen=True)
+class UnitSchedule:
+    """``fa3`` and ``deterministic`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
+    split unit_split[j] ([U] int32 each). Per request ([B] int32): req_splits,
+    req_tiles_per_split, req_split_base (index of its first split among all splits).
+    num_units [1] int32 = Hkv * total splits; num_ctas: the persistent grid."""
+
+    unit_req: torch.Tensor
+    unit_split: torch.Tensor
+    req_splits: torch.Tensor
+    req_tiles_per_split: torch.Tensor
+    req_split_base: torch.Tensor
+    num_units: torch.Tensor
+    num_ctas: int
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """One planned decode batch: what ``DecodeAttention.run`` executes.
+
+    batch_size: B (host int, from the shape of seq_lens).
+    seq_lens: [B] int32, the lengths clamped to [0, page_table capacity].
+    page_table: [B, max_pages] int32, the caller's tensor (its address is used at run).
+    schedule: StreamSchedule (balanced), UnitSchedule (fa3, deterministic) or None (none).
+    config: the DecodeConfig the batch runs with (``DecodeAttention.launch_config``).
+    The schedule lives in the planning object's buffers, so a plan is valid until that
+    object plans again; ``run`` refuses an older plan.
+    """
+
+    batch_size: int
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    schedule: StreamSchedule | UnitSchedule | None
+    config: DecodeConfig
+
+
+def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:
+    """Upper bound on the FA3 policy's total splits: sum ceil(n_b / bps) <= total / bps + B,
+    and total / bps <= num_sms / (1.1 * Hkv) < num_sms."""
+    return max_batch_size + num_sms
+
+
+def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int,
+                   num_sms: int, max_splits: int = FA3_MAX_SPLITS) -> None:
+    """Fill ``sched`` (buffers sized for max batch) from clamped ``seq_lens [B] int32``
+    with FA3's dynamic split (depends on the batch's total work)."""
+    tiles = (seq_lens + (block_n - 1)) // block_n
+    total = tiles.sum(dtype=torch.int64)
+    per_sm = FA3_SLACK_DEN * num_sms
+    blocks_per_sm = torch.clamp((total * (FA3_SLACK_NUM * num_kv_heads) + per_sm - 1) // per_sm, min=1)
+    splits = torch.clamp((tiles + blocks_per_sm - 1) // blocks_per_sm, 1, max_splits)
+    _fill_units(tiles, splits, sched, num_kv_heads)
+
+
+def plan_chunked_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int) -> None:
+    """Fill ``sched`` from clamped ``seq_lens [B] int32`` with batch-invariant splits:
+    each request's split count depends on its own length only."""
+    tiles = (seq_lens + (block_n - 1)) // block_n
+    chunk = max(DETERMINISTIC_CHUNK_TOKENS // block_n, 1)
+    splits = torch.clamp((tiles + chunk - 1) // chunk, 1, DETERMINISTIC_MAX_SPLITS)
+    _fill_units(tiles, splits, sched, num_kv_heads)
+
+
+def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, num_kv_heads: int) -> None:
+    """Write the unit list for per-request split counts ``splits`` ([B], >= 1).
+
+    Splits are re-derived from tiles_per_split so that none is empty; an empty request
+    gets one split of zero tiles (its unit writes zeros). Requests run heaviest first.
+    """
+    batch = tiles.shape[0]
+    tiles_per_split = torch.where(tiles > 0, (tiles + splits - 1) // splits, 1)
+    splits = torch.where(tiles > 0, (tiles + tiles_per_split - 1) // tiles_per_split, 1)
+    order = torch.sort(tiles, descending=True, stable=True).indices
+    sorted_splits = splits[order]
+    split_end = torch.cumsum(sorted_splits, 0, dtype=torch.int32)
+    split_begin = split_end - sorted_splits.to(torch.int32)
+    sched.req_splits[:batch].copy_(splits)
+    sched.req_tiles_per_split[:batch].copy_(tiles_per_split)
+    sched.req_split_base[:batch].index_copy_(0, order, split_begin)
+    j = torch.arange(sched.unit_req.shape[0], device=tiles.device, dtype=torch.int32)
+    rank = torch.searchsorted(split_end, j, right=True).clamp_(max=batch - 1)
+    sched.unit_req.copy_(order[rank])
+    sched.unit_split.copy_(j - split_begin[rank])
+    sched.num_units.copy_(split_end[-1:] * num_kv_heads)

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# GPU machine (H200), with the SGLang kit carried (`run` with carry [".kits/sglang"]):
+# evenkv inside a real SGLang 0.5.17 engine, end to end.
+#
+# usage: bash tests/e2e/sglang.sh [STEP...]      (default: checks skew pytest)
+#   checks  the kit's check.py on its tiny random Qwen3 (16 q / 4 kv heads, D 128, bf16):
+#           evenkv and triton, eager (--graphs 0) and CUDA graphs (--graphs 1); greedy tokens and
+#           logprobs vs HF transformers (ok=1), and evenkv's tokens vs triton's
+#   skew    one 16K-token prompt beside 63 short ones, 64 decode steps in one batch: decode step
+#           time, evenkv vs triton (tests/e2e/sglang_skew_step.py), CUDA graphs on
+#   pytest  the GPU lane of tests/engines/test_sglang_integration.py (realistic SGLang pools, real CUDA
+#           graph replay) plus its CPU-lane tests run on the GPU
+# env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
+#      default /tmp/evenkv-sglang-e2e), SGLANG_KIT (default .kits/sglang), MODEL (tiny model dir).
+# Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+KIT=${SGLANG_KIT:-$ROOT/.kits/sglang}
+L=${OUT:-/tmp/evenkv-sglang-e2e}
+MODEL=${MODEL:-/tmp/evenkv-qwen3-tiny}
+T0=$SECONDS
+BUDGET=${BUDGET:-570}
+mkdir -p "$L"
+RES=$L/results.txt
+: > "$RES"
+
+if [ ! -f "$KIT/setup.sh" ]; then
+  echo "no SGLang kit at $KIT (SGLANG_KIT: a folder whose setup.sh, sourced, makes SGLang importable)"; exit 1
+fi
+# shellcheck disable=SC1091
+source "$KIT/setup.sh" || exit 1
+
+# shellcheck disable=SC1091
+source "$ROOT/tests/e2e/site.sh"
+evenkv_site /tmp/evenkv-sglang-site sglang.srt.plugins evenkv.integrations.sglang:register || exit 1
+
+
+tokens_vs_triton() {  # graphs: compare the prompt_len=... out=[...] lines of two check logs
+  local g=$1 a=$L/check-evenkv-g$1.log b=$L/check-triton-g$1.log
+  [ -f "$a" ] && [ -f "$b" ] || return 0
+  python3 - "$a" "$b" "$g" <<'PY' | tee -a "$RES"
+import ast, re, sys
+def outs(p):
+    return [ast.literal_eval(m.group(1)) for m in re.finditer(r"^prompt_len=\d+ out=(\[.*\])$", open(p).read(), re.M)]
+a, b, g = outs(sys.argv[1]), outs(sys.argv[2]), sys.argv[3]
+same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
+print(f"RESULT tokens_vs_triton graphs={g} prompts_identical={sum(x == y for x, y in zip(a, b))}/{len(b)} "
+      f"tokens_identical={same}/{sum(map(len, b))}")
+PY
+}
+
+step_checks() {
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  echo "== model ready at $((SECONDS - T0))s"
+  run_step check-evenkv-g0 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 0
+  run_step check-evenkv-g1 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 1
+  run_step check-triton-g1 150 60 python3 "$KIT/check.py" --model "$MODEL" --backend triton --graphs 1
+  run_step check-triton-g0 150 60 python3 "$KIT/check.py" --model "$MODEL" --backend triton --graphs 0
+  tokens_vs_triton 0
+  tokens_vs_triton 1
+}
+
+step_skew() {
+  local m32=$MODEL-ctx32k
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  # The tiny model declares 4096 positions; the 16K prompt needs more (RoPE is position-agnostic).
+  python3 - "$MODEL" "$m32" <<'PY' || return 1
+import json, os, sys
+src, dst = sys.argv[1:]
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src):
+    if f != "config.json" and not os.path.exists(os.path.join(dst, f)):
+        os.symlink(os.path.join(src, f), os.path.join(dst, f))
+cfg = json.load(open(os.path.join(src, "config.json")))
+cfg["max_position_embeddings"] = 32768
+json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+PY
+  run_step skew-evenkv 170 90 python3 "$ROOT/tests/e2e/sglang_skew_step.py" run --model "$m32" --backend evenkv \
+    --json "$L/skew-evenkv.json"
+  run_step skew-triton 170 90 python3 "$ROOT/tests/e2e/sglang_skew_step.py" run --model "$m32" --backend triton \
+    --json "$L/skew-triton.json"
+  if [ -f "$L/skew-evenkv.json" ] && [ -f "$L/skew-triton.json" ]; then
+    python3 "$ROOT/tests/e2e/sglang_skew_step.py" compare "$L/skew-evenkv.json" "$L/skew-triton.json" | tee -a "$RES"
+  fi
+}
+
+step_pytest() {
+  (cd "$ROOT" && run_step pytest-sglang 400 60 python3 -m pytest -q -rs -p no:cacheprovider -m "gpu or not gpu" \
+    tests/engines/test_sglang_integration.py)
+  tail -3 "$L/pytest-sglang.log" 2>/dev/null | sed 's/^/   /'
+}
+
+for s in ${@:-checks skew pytest}; do
+  case $s in
+    checks) step_checks ;;
+    skew) step_skew ;;
+    pytest) step_pytest ;;
+    *) echo "unknown step $s (checks | skew | pytest)"; exit 2 ;;
+  esac
+done
+echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"

@@ -1,0 +1,658 @@
+"""SGLang integration (evenkv.integrations.sglang*) against the real SGLang classes.
+
+CPU lane: needs SGLang installed (``bash tests/envs/sglang.sh VENV``); skipped, saying so,
+when ``sglang`` is not importable. Kernels run in the Triton interpreter, tiny shapes. Real ``ReqToTokenPool`` / ``MHATokenToKVPool`` objects, real
+``ForwardBatch`` / ``RadixAttention`` / ``HybridAttnBackend``; the model runner is a
+stand-in carrying the attributes a backend reads. Expected outputs come from the fp32
+oracles of ``evenkv.kernels.reference`` on a page table built from the test's own page
+allocation (not from ``req_to_token``), with the tolerance rule of helpers.py.
+
+GPU lane (``pytest -m gpu``, e.g. with the SGLang kit sourced): the same pools at realistic
+sizes, page size 1 (SGLang's token pool) and 16, a real CUDA graph capture/replay.
+
+SGLang imports the CUDA-linked torchvision at import time; with a CPU torch (or no
+torchvision) the inert stub in tests/stubs is put first on sys.path for this module.
+"""
+
+import argparse
+import importlib.metadata
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed; the SGLang lane needs `bash tests/envs/sglang.sh VENV` "
+                "(sglang 0.5.17 + CPU torch) and that venv's python", allow_module_level=True)
+
+_STUBS = str(Path(__file__).resolve().parent.parent / "stubs")
+if (torch.version.cuda is None or importlib.util.find_spec("torchvision") is None) and _STUBS not in sys.path:
+    sys.path.insert(0, _STUBS)
+
+import sglang  # noqa: E402
+from sglang.srt.configs.model_config import AttentionArch  # noqa: E402
+from sglang.srt.layers.attention import attention_registry  # noqa: E402
+from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend  # noqa: E402
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.runtime_context import get_context, get_parallel, get_server_args  # noqa: E402
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+
+from evenkv.integrations import sglang as plugin  # noqa: E402
+from evenkv.integrations.sglang_backend import EvenKVAttnBackend  # noqa: E402
+from evenkv.kernels.reference import extend_reference  # noqa: E402
+from helpers import TOLERANCE_FLOOR, assert_close_to_reference  # noqa: E402
+
+GARBAGE_SLOT = 10**8  # req_to_token entries past a request's tokens: out of range if ever read
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_loaded():
+    """What every SGLang process does first: load the general plugins (evenkv's entry point)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+@pytest.fixture(autouse=True)
+def scheduler_context():
+    """What a tp=1 scheduler process has published: its ServerArgs (a real, resolved one,
+    through SGLang's own test override) and a single attention rank."""
+    with get_context().override_server_args(attention_backend=plugin.NAME), \
+            get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_size=1, attn_dcp_rank=0, attn_cp_size=1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def lane():
+    """(device, dtype) of this lane: the CPU under the interpreter, else CUDA; bf16."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    return torch.device("cpu"), torch.bfloat16
+
+
+# -- a model runner stand-in with real pools ------------------------------------------
+
+
+class World:
+    """Real SGLang pools plus the attributes of ``ModelRunner`` an attention backend reads.
+
+    Pages are handed out in random order from 1.. (page 0 is SGLang's reserved dummy page);
+    ``pages[r]`` is the test's own record of request r's pages, from which the reference
+    page table is built. ``req_to_token`` rows hold the slots (token-granular, as SGLang
+    writes them) and GARBAGE_SLOT past each request's capacity; row 0 stays zeros.
+    """
+
+    def __init__(self, page_size, device, dtype, *, hq=None, hkv=None, d=None, layers=2, max_reqs=6, ctx=96,
+                 num_pages=None, seed=0):
+        if device.type == "cuda":
+            # Hkv * D * 2 bytes = 1024: the row width of the SGLang kit's pre-built store_cache
+            # kernel (set_kv_buffer), so the GPU lane compiles nothing with nvcc.
+            hq, hkv, d = hq or 8, hkv or 4, d or 128
+        else:
+            hq, hkv, d = hq or 4, hkv or 2, d or 64
+        self.page_size, self.device, self.dtype = page_size, device, dtype
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.gen = torch.Generator().manual_seed(seed)  # host: page order
+        self.dev_gen = torch.Generator(device=device).manual_seed(seed)  # data, drawn where it lives
+        self.req_pool = ReqToTokenPool(size=max_reqs, max_context_len=ctx, device=str(device),
+                                       enable_memory_saver=False)
+        num_pages = num_pages or max_reqs * math.ceil(ctx / page_size) + 2
+        self.kv_pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size, dtype=dtype, head_num=hkv,
+                                        head_dim=d, layer_num=layers, device=str(device), enable_memory_saver=False,
+                                        enable_alt_stream=False)
+        for layer in range(layers):
+            for buf in self.kv_pool.get_kv_buffer(layer):
+                buf.copy_(self.randn(*buf.shape))
+        self.free_pages = (torch.randperm(num_pages, generator=self.gen) + 1).tolist()
+        self.pages: dict[int, list[int]] = {}
+        self.next_req = 1
+        self.layers = [RadixAttention(hq, d, d ** -0.5, hkv, layer_id=i) for i in range(layers)]
+        model_config = SimpleNamespace(context_len=ctx, attention_arch=AttentionArch.MHA, is_encoder_decoder=False,
+                                       get_max_num_attention_heads=lambda: hq, get_num_kv_heads=lambda tp: hkv)
+        self.runner = SimpleNamespace(device=str(device), gpu_id=0, req_to_token_pool=self.req_pool,
+                                      token_to_kv_pool=self.kv_pool, token_to_kv_pool_allocator=None,
+                                      kv_index_translator=None, model_config=model_config,
+                                      server_args=get_server_args(), page_size=page_size, sliding_window_size=None,
+                                      is_draft_worker=False, use_mla_backend=False, dtype=dtype, kv_cache_dtype=dtype)
+
+    def add_request(self, capacity: int) -> int:
+        """A request slot with pages for ``capacity`` tokens; returns its req_pool index."""
+        r = self.next_req
+        self.next_req += 1
+        n = math.ceil(capacity / self.page_size)
+        self.pages[r], self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        row = self.req_pool.req_to_token[r]
+        row.fill_(GARBAGE_SLOT)
+        row[:capacity] = self.slots(r, 0, capacity)
+        return r
+
+    def slots(self, r: int, begin: int, end: int) -> torch.Tensor:
+        pos = torch.arange(begin, end)
+        pages = torch.tensor(self.pages[r], dtype=torch.int64)
+        return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).to(self.device)
+
+    def page_table(self, reqs) -> torch.Tensor:
+        """Reference page table [B, max_pages] int32 from the test's own allocation."""
+        width = max(len(self.pages[r]) for r in reqs)
+        pt = torch.zeros(len(reqs), width, dtype=torch.int32)
+        for b, r in enumerate(reqs):
+            pt[b, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
+        return pt.to(self.device)
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.dev_gen, device=self.device).to(self.dtype)
+
+    def decode_batch(self, reqs, cached, *, with_cpu_lens=True) -> ForwardBatch:
+        """One decode step: request reqs[b] has cached[b] tokens; its new token goes at that position."""
+        seq = torch.tensor([c + 1 for c in cached], dtype=torch.int64)
+        loc = torch.cat([self.slots(r, c, c + 1) for r, c in zip(reqs, cached)])
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
+                            input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=self.device),
+                            req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=self.device),
+                            seq_lens=seq.to(self.device), out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
+                            seq_lens_cpu=seq.clone() if with_cpu_lens else None,
+                            positions=(seq - 1).to(self.device))
+
+    def extend_batch(self, reqs, prefix, new, mode=ForwardMode.EXTEND) -> ForwardBatch:
+        """Prefill/extend: request reqs[b] has prefix[b] cached tokens and new[b] new ones."""
+        seq = torch.tensor([p + n for p, n in zip(prefix, new)], dtype=torch.int64)
+        loc = torch.cat([self.slots(r, p, p + n) for r, p, n in zip(reqs, prefix, new)])
+        ext = torch.tensor(new, dtype=torch.int32)
+        start = torch.cumsum(ext, 0) - ext
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new)])
+        dev = self.device
+        return ForwardBatch(forward_mode=mode, batch_size=len(reqs),
+                            input_ids=torch.zeros(int(ext.sum()), dtype=torch.int64, device=dev),
+                            req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=dev), seq_lens=seq.to(dev),
+                            out_cache_loc=loc, seq_lens_sum=int(seq.sum()), seq_lens_cpu=seq.clone(),
+                            positions=positions.to(dev), extend_num_tokens=int(ext.sum()),
+                            extend_seq_lens=ext.to(dev), extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32,
+                                                                                         device=dev),
+                            extend_start_loc=start.to(dev), extend_prefix_lens_cpu=list(prefix),
+                            extend_seq_lens_cpu=list(new))
+
+    def backend(self) -> EvenKVAttnBackend:
+        """Built the way SGLang's model runner builds a backend from --attention-backend."""
+        from sglang.srt.model_executor.model_runner_components.attention_backend_setup import \
+            _build_full_attention_backend_from_str
+
+        return _build_full_attention_backend_from_str(model_runner=self.runner, backend_str=plugin.NAME,
+                                                      init_new_workspace=False)
+
+
+def check_decode(world, out, q, fb, layer_id=0):
+    """out [B, Hq*D] against the fp32 decode oracle over the cache as it is now."""
+    reqs = fb.req_pool_indices.tolist()
+    k_cache, v_cache = world.kv_pool.get_kv_buffer(layer_id)
+    b, hq, d = len(reqs), world.hq, world.d
+    assert out.shape == (b, hq * d)
+    assert_close_to_reference(out.view(b, hq, d), q.view(b, hq, d), k_cache, v_cache, fb.seq_lens,
+                              world.page_table(reqs), world.page_size, d ** -0.5)
+
+
+def check_extend(world, out, q, fb, layer_id=0):
+    """out [T, Hq*D] against the fp32 extend oracle (cache already holds the new tokens)."""
+    reqs = fb.req_pool_indices.tolist()
+    k_cache, v_cache = world.kv_pool.get_kv_buffer(layer_id)
+    t, hq, d = q.shape[0], world.hq, world.d
+    cu = torch.zeros(len(reqs) + 1, dtype=torch.int32, device=q.device)
+    cu[1:] = torch.cumsum(fb.extend_seq_lens, 0)
+    args = (q.view(t, hq, d), k_cache, v_cache, cu, fb.seq_lens, world.page_table(reqs), world.page_size)
+    ref = extend_reference(*args, sm_scale=d ** -0.5)
+    lowp = extend_reference(*args, sm_scale=d ** -0.5, compute_dtype=q.dtype)
+    err = (out.view(t, hq, d).float() - ref).abs().max().item()
+    base = (lowp.float() - ref).abs().max().item()
+    bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {q.dtype} error {base:.3e})"
+
+
+# -- registration and selection --------------------------------------------------------
+
+
+def test_entry_point_is_declared_and_loaded():
+    eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == plugin.NAME]
+    assert len(eps) == 1, "evenkv's sglang.srt.plugins entry point is not installed (pip install -e .)"
+    assert eps[0].value == "evenkv.integrations.sglang:register"
+    assert eps[0].load() is plugin.register
+    # The plugins_loaded fixture ran sglang.srt.plugins.load_plugins(), nothing else registered.
+    assert plugin.NAME in ATTENTION_BACKEND_CHOICES
+    assert attention_registry.ATTENTION_BACKENDS[plugin.NAME] is plugin.create_backend
+
+
+def test_register_is_idempotent():
+    plugin.register()
+    plugin.register()
+    assert ATTENTION_BACKEND_CHOICES.count(plugin.NAME) == 1
+    assert attention_registry.ATTENTION_BACKENDS[plugin.NAME] is plugin.create_backend
+
+
+@pytest.mark.parametrize("argv", [
+    ["--attention-backend", "evenkv"],
+    ["--prefill-attention-backend", "torch_native", "--decode-attention-backend", "evenkv"],
+    ["--attention-backend", "triton", "--decode-attention-backend", "evenkv"],
+])
+def test_cli_accepts_evenkv(argv):
+    plugin.register()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "unused"] + argv)
+    given = dict(zip(argv[::2], argv[1::2]))
+    for flag, value in given.items():
+        assert getattr(args, flag[2:].replace("-", "_")) == value
+
+
+def test_cli_rejects_unknown_backend():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "unused", "--attention-backend", "evenkv-not-a-backend"])
+
+
+def test_registry_builds_backend(lane):
+    plugin.register()
+    world = World(1, *lane)
+    backend = world.backend()
+    assert isinstance(backend, EvenKVAttnBackend)
+    assert (backend.num_q_heads, backend.num_kv_heads, backend.head_dim) == (world.hq, world.hkv, world.d)
+    assert backend.attention.decode.policy == "balanced"
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_policy_from_environment(lane, monkeypatch):
+    monkeypatch.setenv(plugin.POLICY_ENV, "fa3")
+    assert World(1, *lane).backend().attention.decode.policy == "fa3"
+    monkeypatch.setenv(plugin.POLICY_ENV, "fastest")
+    with pytest.raises(NotImplementedError, match="EVENKV_POLICY"):
+        World(1, *lane).backend()
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (dict(use_mla_backend=True), "MLA"),
+    (dict(sliding_window_size=4096), "sliding-window"),
+    (dict(page_size=3), "page size 3"),
+    (dict(is_draft_worker=True), "draft workers"),
+])
+def test_refuses_unsupported_runner(lane, overrides, fragment):
+    world = World(1, *lane)
+    for key, value in overrides.items():
+        setattr(world.runner, key, value)
+    with pytest.raises(NotImplementedError, match=fragment):
+        world.backend()
+
+
+def test_refusal_lists_every_reason(lane):
+    world = World(1, *lane)
+    # A resolved ServerArgs is read-only; the factory reads these three fields.
+    world.runner.server_args = SimpleNamespace(speculative_algorithm="EAGLE", enable_pdmux=True, dllm_algorithm=None)
+    world.runner.model_config.is_encoder_decoder = True
+    with pytest.raises(NotImplementedError) as info:
+        world.backend()
+    for fragment in ("speculative decoding (EAGLE)", "PD multiplexing", "encoder-decoder"):
+        assert fragment in str(info.value)
+
+
+def test_refuses_fp8_kv_cache(lane):
+    device, dtype = lane
+    world = World(1, device, dtype)
+    world.runner.token_to_kv_pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float8_e4m3fn,
+                                                     head_num=world.hkv, head_dim=world.d, layer_num=1,
+                                                     device=str(device),
+                                                     enable_memory_saver=False, enable_alt_stream=False)
+    with pytest.raises(NotImplementedError, match="KV cache dtype"):
+        world.backend()
+
+
+@pytest.mark.parametrize("layer_kw,kwargs,fragment", [
+    (dict(logit_cap=30.0), {}, "soft-cap"),
+    (dict(sliding_window_size=127), {}, "sliding window 128"),
+    (dict(is_cross_attention=True), {}, "cross attention"),
+    ({}, dict(sinks=torch.zeros(4)), "sinks"),
+])
+def test_refuses_unsupported_layer(lane, layer_kw, kwargs, fragment):
+    world = World(1, *lane)
+    backend = world.backend()
+    r = world.add_request(8)
+    fb = world.decode_batch([r], [5])
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(world.hq, world.d, world.d ** -0.5, world.hkv, layer_id=0, **layer_kw)
+    with pytest.raises(NotImplementedError, match=fragment):
+        backend.forward(world.randn(1, world.hq * world.d), world.randn(1, world.hkv, world.d),
+                        world.randn(1, world.hkv, world.d), layer, fb, **kwargs)
+
+
+# -- eager decode and extend ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("with_cpu_lens", [True, False])
+def test_decode_matches_reference(lane, page_size, with_cpu_lens):
+    world = World(page_size, *lane)
+    backend = world.backend()
+    cached = [0, 40, 3, 17]  # a one-token request, a long one, and odd lengths
+    reqs = [world.add_request(c + 1) for c in cached]
+    fb = world.decode_batch(reqs, cached, with_cpu_lens=with_cpu_lens)
+    backend.init_forward_metadata(fb)
+    for layer in world.layers:  # one plan, every layer
+        q, k, v = (world.randn(len(reqs), world.hq * world.d), world.randn(len(reqs), world.hkv, world.d),
+                   world.randn(len(reqs), world.hkv, world.d))
+        out = backend.forward(q, k, v, layer, fb)
+        k_cache, v_cache = world.kv_pool.get_kv_buffer(layer.layer_id)
+        assert torch.equal(k_cache[fb.out_cache_loc], k) and torch.equal(v_cache[fb.out_cache_loc], v)
+        check_decode(world, out, q, fb, layer.layer_id)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_matches_reference(lane, page_size):
+    world = World(page_size, *lane)
+    backend = world.backend()
+    prefix, new = [0, 21, 16, 5], [13, 7, 1, 30]  # fresh prompt, chunked prefill on a prefix, a 1-token extend
+    reqs = [world.add_request(p + n) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    t = sum(new)
+    for layer in world.layers:
+        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
+                                                                                                        world.d)
+        out = backend.forward(q, k, v, layer, fb)
+        k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
+        assert torch.equal(k_cache[fb.out_cache_loc], k)
+        check_extend(world, out, q, fb, layer.layer_id)
+
+
+def test_extend_shared_kv_reads_cache(lane):
+    """k = v = None (a layer reusing another layer's KV): the new tokens come from the cache."""
+    world = World(1, *lane)
+    backend = world.backend()
+    prefix, new = [9, 0], [6, 11]
+    reqs = [world.add_request(p + n) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    layer = world.layers[1]
+    world.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, world.randn(17, world.hkv, world.d),
+                                world.randn(17, world.hkv, world.d))
+    q = world.randn(17, world.hq * world.d)
+    out = backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    check_extend(world, out, q, fb, layer.layer_id)
+
+
+def test_mixed_batch_and_padded_rows(lane):
+    """MIXED (chunked prefill + decode rows) goes through extend; q rows past the batch's
+    tokens (padded prefill graphs) come back as zeros, written into _attn_output."""
+    world = World(16, *lane)
+    backend = world.backend()
+    prefix, new = [30, 12, 0], [1, 1, 19]
+    reqs = [world.add_request(p + n) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new, mode=ForwardMode.MIXED)
+    backend.init_forward_metadata(fb)
+    t, pad = sum(new), 5
+    q = world.randn(t + pad, world.hq * world.d)
+    k, v = world.randn(t + pad, world.hkv, world.d), world.randn(t + pad, world.hkv, world.d)
+    fb._attn_output = torch.full((t + pad, world.hq * world.d), float("nan"), dtype=q.dtype, device=q.device)
+    fb.out_cache_loc = torch.cat([fb.out_cache_loc, torch.zeros(pad, dtype=torch.int64, device=q.device)])
+    out = backend.forward(q, k, v, world.layers[0], fb)
+    assert out.data_ptr() == fb._attn_output.data_ptr()
+    assert torch.count_nonzero(out[t:]) == 0
+    fb.out_cache_loc = fb.out_cache_loc[:t]
+    check_extend(world, out[:t], q[:t], fb)
+
+
+def test_refuses_speculative_modes_at_metadata(lane):
+    world = World(1, *lane)
+    backend = world.backend()
+    r = world.add_request(8)
+    fb = world.extend_batch([r], [3], [2], mode=ForwardMode.TARGET_VERIFY)
+    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
+        backend.init_forward_metadata(fb)
+
+
+# -- CUDA-graph metadata sequence ----------------------------------------------------------
+
+
+class DecodeGraphDriver:
+    """Drives a backend through the decode graph runner's sequence (SGLang 0.5.17,
+    decode_cuda_graph_runner.py): init_cuda_graph_state; per captured bs, out_graph(fb,
+    in_capture=True) then the captured body (in_graph + forward per layer) on static
+    buffers filled with the fill value; per replay, refill the static buffers (padded rows:
+    req_pool_indices 0, seq_lens = fill value), out_graph(SimpleNamespace view), replay.
+
+    On the GPU the body is a real torch.cuda.CUDAGraph. On the CPU "replay" runs the
+    body again on the same buffers, which is what the graph would execute.
+    """
+
+    def __init__(self, world, backend, bs):
+        self.world, self.backend, self.bs = world, backend, bs
+        dev, hq, hkv, d = world.device, world.hq, world.hkv, world.d
+        self.fill = backend.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((bs,), self.fill, dtype=torch.int64, device=dev)
+        self.seq_lens_cpu = torch.full((bs,), self.fill, dtype=torch.int64)
+        self.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.q = torch.zeros(bs, hq * d, dtype=world.dtype, device=dev)
+        self.k = torch.zeros(bs, hkv, d, dtype=world.dtype, device=dev)
+        self.v = torch.zeros(bs, hkv, d, dtype=world.dtype, device=dev)
+        self.fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                               input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+                               req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
+                               out_cache_loc=self.out_cache_loc, seq_lens_sum=bs * self.fill,
+                               seq_lens_cpu=self.seq_lens_cpu)
+        self.outs = None
+        self.graph = None
+
+    def body(self):
+        self.backend.init_forward_metadata_in_graph(self.fb)
+        return [self.backend.forward(self.q, self.k, self.v, layer, self.fb) for layer in self.world.layers]
+
+    def capture(self):
+        self.backend.init_forward_metadata_out_graph(self.fb, in_capture=True)
+        if self.world.device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.body()  # warm-up (compiles), as SGLang's runner does before capture
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outs = self.body()
+        else:
+            self.outs = self.body()
+
+    def replay(self, reqs, cached, *, with_cpu_lens=True, after_out_graph=None):
+        """Real requests reqs (cached[b] tokens each) padded to bs; returns (outs, q, real fb)."""
+        w, raw = self.world, len(reqs)
+        real = w.decode_batch(reqs, cached)
+        self.req_pool_indices.zero_()[:raw] = real.req_pool_indices
+        self.seq_lens.fill_(self.fill)[:raw] = real.seq_lens
+        self.seq_lens_cpu.fill_(self.fill)[:raw] = real.seq_lens_cpu
+        self.out_cache_loc.zero_()[:raw] = real.out_cache_loc
+        self.q.copy_(w.randn(*self.q.shape))
+        self.k.copy_(w.randn(*self.k.shape))
+        self.v.copy_(w.randn(*self.v.shape))
+        view = SimpleNamespace(batch_size=self.bs, forward_mode=ForwardMode.DECODE,
+                               actual_forward_mode=ForwardMode.DECODE, input_ids=self.fb.input_ids,
+                               positions=None, req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
+                               seq_lens_sum=real.seq_lens_sum + (self.bs - raw) * self.fill,
+                               seq_lens_cpu=self.seq_lens_cpu if with_cpu_lens else None, num_padding=self.bs - raw,
+                               encoder_lens=None, out_cache_loc=real.out_cache_loc, spec_info=None)
+        self.backend.init_forward_metadata_out_graph(view)
+        if after_out_graph is not None:
+            after_out_graph()
+        if self.graph is not None:
+            self.graph.replay()
+            outs = self.outs
+        else:
+            outs = self.body()
+        return [o.clone() for o in outs], self.q.clone(), real
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_sequence_with_padded_rows(lane, page_size):
+    world = World(page_size, *lane, max_reqs=8)
+    backend = world.backend()
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    driver = DecodeGraphDriver(world, backend, bs=4)
+    driver.capture()
+    caps = [48, 20, 70, 9, 33]
+    reqs = [world.add_request(c) for c in caps]
+
+    def scheduler_overwrites_req_to_token():
+        # The next batch's writes may land while the graph replays (WAR hazard): the
+        # backend must have snapshotted the page table already.
+        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)
+
+    saved_rows = world.req_pool.req_to_token.clone()
+    for batch, cached, cpu_lens in [(reqs[:2], [40, 3], True), (reqs[2:5], [69, 0, 32], True),
+                                    (reqs[1:2], [19], False)]:
+        world.req_pool.req_to_token.copy_(saved_rows)
+        outs, q, real = driver.replay(batch, cached, with_cpu_lens=cpu_lens,
+                                      after_out_graph=scheduler_overwrites_req_to_token)
+        raw = len(batch)
+        for layer, out in zip(world.layers, outs):
+            assert torch.count_nonzero(out[raw:]) == 0, "padded rows must come back as zeros"
+            check_decode(world, out[:raw], q[:raw], real, layer.layer_id)
+
+
+def test_init_cuda_graph_state_refuses_multi_token_decode(lane):
+    backend = World(1, *lane).backend()
+    with pytest.raises(NotImplementedError, match="more than one query token"):
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=8)
+
+
+# -- evenkv for decode beside another prefill backend ----------------------------------------
+
+
+def test_decode_backend_beside_torch_native_prefill(lane):
+    """--prefill-attention-backend torch_native --decode-attention-backend evenkv: SGLang's
+    HybridAttnBackend sends decode and the decode-graph calls to evenkv, extend elsewhere."""
+    with get_context().override_server_args(prefill_attention_backend="torch_native",
+                                            decode_attention_backend=plugin.NAME):
+        world = World(1, *lane)
+        decode = world.backend()
+        hybrid = HybridAttnBackend(world.runner, prefill_backend=TorchNativeAttnBackend(world.runner),
+                                   decode_backend=decode)
+    assert hybrid.get_cuda_graph_seq_len_fill_value() == 1
+    hybrid.init_cuda_graph_state(2, 2)
+    assert decode.cuda_graph_seq_lens is not None
+
+    prefix, new = [0, 6], [9, 4]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    hybrid.init_forward_metadata(fb)
+    assert decode.forward_metadata is None, "extend must not reach the decode backend"
+    layer = world.layers[0]
+    t = sum(new)
+    hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
+                   world.randn(t, world.hkv, world.d), layer, fb)
+
+    fb = world.decode_batch(reqs, [p + n for p, n in zip(prefix, new)])
+    hybrid.init_forward_metadata(fb)
+    meta = decode.forward_metadata
+    assert meta is not None and meta.decode and meta.plan.batch_size == meta.plan.num_decodes == 2
+    q = world.randn(2, world.hq * world.d)
+    out = hybrid.forward(q, world.randn(2, world.hkv, world.d), world.randn(2, world.hkv, world.d), layer, fb)
+    check_decode(world, out, q, fb)
+
+
+def test_imports_report_sglang_version():
+    # Recorded in the test log: which SGLang this lane ran against.
+    print(f"sglang {sglang.__version__}")
+    assert sglang.__version__
+
+
+# -- GPU lane: realistic sizes ---------------------------------------------------------------
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")
+QWEN3_30B = dict(hq=32, hkv=4, d=128)  # the benchmark's attention shape
+
+
+def skewed(total, batch, share):
+    """batch lengths summing to total; request 0 holds `share` of it."""
+    long = int(total * share)
+    rest = total - long
+    return [long] + [rest // (batch - 1) + (i < rest % (batch - 1)) for i in range(batch - 1)]
+
+
+def check_rows(world, out, q, fb, rows, layer_id=0):
+    sub = torch.tensor(rows, device=q.device)
+    k_cache, v_cache = world.kv_pool.get_kv_buffer(layer_id)
+    reqs = fb.req_pool_indices[sub].tolist()
+    hq, d = world.hq, world.d
+    assert_close_to_reference(out[sub].view(len(rows), hq, d), q[sub].view(len(rows), hq, d), k_cache, v_cache,
+                              fb.seq_lens[sub], world.page_table(reqs), world.page_size, d ** -0.5)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [skewed(262144, 64, 0.8), [4096] * 64, skewed(1048576, 256, 0.4)],
+                         ids=["skew80-b64-256K", "uniform-b64-256K", "skew40-b256-1M"])
+def test_gpu_decode_realistic(monkeypatch, page_size, lens):
+    """Eager decode on SGLang pools (random page placement), every policy on the same batch."""
+    world = World(page_size, torch.device("cuda"), torch.bfloat16, layers=1, max_reqs=len(lens),
+                  ctx=max(lens) + page_size, num_pages=sum(math.ceil(n / page_size) for n in lens) + 16, **QWEN3_30B)
+    reqs = [world.add_request(n) for n in lens]
+    fb = world.decode_batch(reqs, [n - 1 for n in lens])
+    for policy in ("balanced", "fa3", "none"):
+        monkeypatch.setenv(plugin.POLICY_ENV, policy)
+        backend = world.backend()
+        backend.init_forward_metadata(fb)
+        q = world.randn(len(lens), world.hq * world.d)
+        out = backend.forward(q, world.randn(len(lens), world.hkv, world.d), world.randn(len(lens), world.hkv, world.d),
+                              world.layers[0], fb)
+        check_rows(world, out, q, fb, [0, 1, len(lens) // 2, len(lens) - 1])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_cuda_graph_replay_realistic(page_size):
+    """A real decode graph (bs 64) replayed on skewed batches of 64, 37 and 5 requests with
+    one 64K-token request, req_to_token overwritten between out_graph and replay."""
+    lens = skewed(262144, 64, 0.25) + [3000] * 8
+    world = World(page_size, torch.device("cuda"), torch.bfloat16, layers=2, max_reqs=len(lens), ctx=max(lens) + 64,
+                  num_pages=sum(math.ceil((n + 1) / page_size) for n in lens) + 16, **QWEN3_30B)
+    backend = world.backend()
+    backend.init_cuda_graph_state(max_bs=64, max_num_tokens=64)
+    driver = DecodeGraphDriver(world, backend, bs=64)
+    driver.capture()
+    reqs = [world.add_request(n + 1) for n in lens]
+    saved = world.req_pool.req_to_token.clone()
+
+    def overwrite():
+        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)
+
+    for pick in [list(range(64)), list(range(64, 72)) + list(range(0, 58, 2)), [0, 70, 3, 71, 5]]:
+        world.req_pool.req_to_token.copy_(saved)
+        batch = [reqs[i] for i in pick]
+        outs, q, real = driver.replay(batch, [lens[i] for i in pick], after_out_graph=overwrite)
+        torch.cuda.synchronize()
+        raw = len(batch)
+        for layer, out in zip(world.layers, outs):
+            assert torch.count_nonzero(out[raw:]) == 0
+            check_rows(world, out[:raw], q[:raw], real, [0, 1, raw // 2, raw - 1], layer.layer_id)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_extend_realistic(page_size):
+    """Chunked prefill on long prefixes beside fresh prompts (SGLang token pool layout)."""
+    prefix, new = [16384, 0, 4000, 0], [2048, 3000, 1, 512]
+    world = World(page_size, torch.device("cuda"), torch.bfloat16, layers=1, max_reqs=4,
+                  ctx=max(p + n for p, n in zip(prefix, new)) + 64,
+                  num_pages=sum(math.ceil((p + n) / page_size) for p, n in zip(prefix, new)) + 16, **QWEN3_30B)
+    backend = world.backend()
+    reqs = [world.add_request(p + n) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    t = sum(new)
+    q = world.randn(t, world.hq * world.d)
+    out = backend.forward(q, world.randn(t, world.hkv, world.d), world.randn(t, world.hkv, world.d),
+                          world.layers[0], fb)
+    check_extend(world, out, q, fb)

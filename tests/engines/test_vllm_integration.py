@@ -1,0 +1,516 @@
+"""vLLM integration (evenkv.integrations.vllm*) against the real vLLM classes.
+
+CPU lane: needs vLLM installed (``bash tests/envs/vllm.sh VENV``, vLLM 0.26.0 with
+--no-deps on a CPU torch); skipped, saying so, when ``vllm`` is not importable. Real
+``load_general_plugins``, ``AttentionConfig``, ``AttentionSelectorConfig``,
+``VllmConfig`` (a local config-only Qwen3 checkpoint), ``FullAttentionSpec``,
+``CommonAttentionMetadata`` and ``split_decodes_and_prefills``; kernels run in the
+Triton interpreter, tiny shapes. The KV cache is allocated
+the way vLLM's model runner does it (logical shape permuted by the backend's stride
+order); expected outputs come from the fp32 oracle ``extend_reference`` over a plain
+slot cache the test fills itself, with the tolerance rule of helpers.py.
+
+GPU lane (``pytest -m gpu``, on the device with the vLLM kit sourced): the same batch at
+bf16, and a decode step captured in a CUDA graph and replayed after a re-plan.
+
+vLLM's CUDA wheel on a CPU torch: ``CUDA_VISIBLE_DEVICES`` must be empty before vLLM is
+imported (else ``vllm.triton_utils`` sees no active driver and disables triton), and a
+``VllmConfig`` needs the CPU platform.
+"""
+
+import importlib.metadata
+import importlib.util
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed; the vLLM lane needs `bash tests/envs/vllm.sh VENV` "
+                "(vllm 0.26.0 + CPU torch) and that venv's python", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import numpy as np  # noqa: E402
+import vllm  # noqa: E402
+import vllm.plugins  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from evenkv.integrations import vllm as plugin  # noqa: E402
+from evenkv.integrations.vllm_backend import (EvenKVBackend, EvenKVImpl, EvenKVMetadataBuilder,  # noqa: E402
+                                              kv_cache_slot_views)
+from evenkv.kernels.reference import extend_reference  # noqa: E402
+from helpers import TOLERANCE_FLOOR  # noqa: E402
+
+VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+HQ, HKV, D, BLOCK = 4, 2, 64, 16  # G = 2
+MAX_MODEL_LEN, MAX_NUM_SEQS = 256, 8
+NULL_BLOCK = 0  # vLLM reserves block 0 for padded rows
+
+
+# -- plugin and selection ------------------------------------------------------------
+
+
+def test_entry_point_declared():
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "evenkv"]
+    assert [e.value for e in eps] == ["evenkv.integrations.vllm:register"]
+
+
+def test_load_general_plugins_registers_custom(monkeypatch):
+    AttentionBackendEnum.CUSTOM.clear_override()
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    vllm.plugins.load_general_plugins()
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_CLASS_PATH
+    assert AttentionBackendEnum.CUSTOM.get_class() is EvenKVBackend
+    plugin.register()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_CLASS_PATH
+
+
+def test_register_takes_over_a_foreign_custom_backend(caplog):
+    from vllm.v1.attention.backends.registry import register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, "someone.else.Backend")
+    plugin.register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_CLASS_PATH
+    assert "someone.else.Backend" in caplog.text
+
+
+def test_module_exports_lazily():
+    assert plugin.EvenKVBackend is EvenKVBackend
+    with pytest.raises(AttributeError):
+        plugin.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("spelling", ["CUSTOM", "custom"])
+def test_attention_config_custom_resolves_to_evenkv(spelling):
+    from vllm.config import AttentionConfig
+
+    plugin.register()
+    cfg = AttentionConfig(backend=spelling)
+    assert cfg.backend is AttentionBackendEnum.CUSTOM
+    cls = cfg.backend.get_class()
+    assert cls is EvenKVBackend
+    # What Attention.__init__ does with the selected class.
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
+    assert cls.get_impl_cls() is EvenKVImpl and cls.get_builder_cls() is EvenKVMetadataBuilder
+    assert cls.forward_includes_kv_cache_update is False
+
+
+# -- validate_configuration ------------------------------------------------------------
+
+
+def _selector_kwargs(**overrides):
+    """The keyword arguments vLLM's CUDA platform passes: a real AttentionSelectorConfig."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    fields = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+                  has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                  attn_type="decoder")
+    capability = overrides.pop("device_capability", DeviceCapability(9, 0))
+    fields.update(overrides)
+    known = AttentionSelectorConfig._fields
+    cfg = AttentionSelectorConfig(**{k: v for k, v in fields.items() if k in known})
+    return dict(device_capability=capability, **cfg._asdict())
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"dtype": torch.float16}, {"head_size": 64}, {"head_size": 256}, {"head_size": 96}, {"block_size": None},
+    {"block_size": 32}, {"block_size": 64}, {"block_size": 128}, {"block_size": 48}, {"kv_cache_dtype": "bfloat16"},
+    {"use_kv_connector": True},
+])
+def test_validate_configuration_accepts(overrides):
+    kwargs = _selector_kwargs(**overrides)
+    assert EvenKVBackend.validate_configuration(**kwargs) == []
+
+
+def test_validate_configuration_on_sm80_and_sm75():
+    from vllm.platforms.interface import DeviceCapability
+
+    assert EvenKVBackend.validate_configuration(**_selector_kwargs(device_capability=DeviceCapability(8, 0))) == []
+    reasons = EvenKVBackend.validate_configuration(**_selector_kwargs(device_capability=DeviceCapability(7, 5)))
+    assert len(reasons) == 1 and "compute capability 7.5" in reasons[0]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"head_size": 72}, "head_size 72"),
+    ({"dtype": torch.float32}, "dtype torch.float32"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+    ({"kv_cache_dtype": "float16"}, "differs from the model dtype"),
+    ({"block_size": 8}, "block_size 8"),
+    ({"use_mla": True}, "MLA"),
+    ({"has_sink": True}, "sinks"),
+    ({"use_sparse": True}, "sparse"),
+    ({"use_mm_prefix": True}, "multimodal"),
+    ({"attn_type": "encoder_only"}, "attention type encoder_only"),
+    ({"has_sliding_window": True}, "sliding-window"),
+    ({"use_non_causal": True}, "non-causal"),
+    ({"use_batch_invariant": True}, "batch-invariant"),
+    ({"use_pcp": True}, "prefill context parallelism"),
+])
+def test_validate_configuration_refuses_with_reason(overrides, needle):
+    reasons = EvenKVBackend.validate_configuration(**_selector_kwargs(**overrides))
+    assert len(reasons) == 1, reasons
+    assert needle in reasons[0]
+
+
+def test_validate_configuration_returns_every_reason():
+    reasons = EvenKVBackend.validate_configuration(**_selector_kwargs(
+        head_size=72, dtype=torch.float32, kv_cache_dtype="fp8", block_size=8, has_sink=True, has_sliding_window=True))
+    assert len(reasons) == 6, reasons
+
+
+def test_validate_configuration_refuses_flags_of_later_vllm():
+    # vLLM 0.33 adds use_dcp / use_adaptive_verification / use_rswa; an unknown switch that is
+    # set is refused rather than ignored.
+    extra = dict(use_dcp=True, use_adaptive_verification=True, use_rswa=True, use_something_new=True)
+    reasons = EvenKVBackend.validate_configuration(**{**_selector_kwargs(), **extra})
+    assert len(reasons) == 4, reasons
+    assert any("decode context parallelism" in r for r in reasons)
+    assert any("use_something_new" in r for r in reasons)
+    assert EvenKVBackend.validate_configuration(**{**_selector_kwargs(), **{k: False for k in extra}}) == []
+
+
+def test_declared_capabilities():
+    assert EvenKVBackend.get_name() == "CUSTOM"
+    assert EvenKVBackend.get_supported_kernel_block_sizes() == [16, 32, 64, 128]
+    assert EvenKVBackend.get_supported_kernel_block_sizes(None) == [16, 32, 64, 128]  # 0.33 passes the spec
+    assert EvenKVBackend.get_preferred_block_size(16) == 16
+    assert EvenKVBackend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 128)
+    assert EvenKVBackend.get_kv_cache_stride_order() == (0, 2, 1, 3)
+    assert EvenKVBackend.get_required_kv_cache_layout() == "NHD"
+    assert EvenKVBackend.get_builder_cls()._cudagraph_support.name == "UNIFORM_SINGLE_TOKEN_DECODE"
+
+
+@pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="KVCacheLayout exists from vLLM 0.33 on")
+def test_supported_kv_cache_layouts_033():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert EvenKVBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"logits_soft_cap": 30.0}, "soft-cap"),
+    ({"sliding_window": 128}, "sliding window"),
+    ({"alibi_slopes": [1.0] * HQ}, "ALiBi"),
+    ({"sinks": torch.zeros(HQ)}, "sinks"),
+    ({"kv_cache_dtype": "fp8"}, "fp8"),
+    ({"chunk_lookback": 4}, "chunk_lookback"),
+])
+def test_impl_refuses_what_the_kernels_would_ignore(kwargs, needle):
+    with pytest.raises(NotImplementedError, match=needle):
+        EvenKVImpl(HQ, D, D ** -0.5, HKV, **kwargs)
+
+
+def test_impl_accepts_off_values_of_extra_switches():
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None,
+                      sinks=None, use_alibi_sqrt=False, chunk_lookback=-1)
+    assert impl.num_kv_heads == HKV and impl.logits_soft_cap is None
+
+
+# -- builder: the decode/extend split ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tmp_path_factory):
+    """A real VllmConfig for a config-only Qwen3 (HQ/HKV/D as above); no weights, no tokenizer."""
+    import vllm.platforms
+    from transformers import Qwen3Config
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    model_dir = tmp_path_factory.mktemp("qwen3-config")
+    Qwen3Config(vocab_size=256, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=MAX_MODEL_LEN,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(model_dir)
+    saved = vllm.platforms._current_platform
+    if not torch.cuda.is_available():  # the CUDA wheel cannot infer a device type on CPU torch
+        import vllm.platforms.cpu
+
+        vllm.platforms._current_platform = vllm.platforms.cpu.CpuPlatform()
+    try:
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16",
+                            max_model_len=MAX_MODEL_LEN)
+        sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_MODEL_LEN,
+                                max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False)
+        yield VllmConfig(model_config=model, scheduler_config=sched)
+    finally:
+        vllm.platforms._current_platform = saved
+
+
+def _spec(dtype):
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=dtype)
+
+
+def _cam(q_lens, seq_lens, device, *, block_table=None, num_tokens=None, num_reqs_padding=0):
+    """A CommonAttentionMetadata as the V1 runner makes it: padded requests (q_len 0,
+    seq_len 0, NULL_BLOCK rows) after the real ones and padding tokens past the last query."""
+    q_lens = list(q_lens) + [0] * num_reqs_padding
+    seq_lens = list(seq_lens) + [0] * num_reqs_padding
+    b = len(q_lens)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    real = int(qsl[-1])
+    num_tokens = real if num_tokens is None else num_tokens
+    if block_table is None:
+        width = -(-MAX_MODEL_LEN // BLOCK)
+        block_table = torch.arange(1, 1 + b * width, dtype=torch.int32).view(b, width)
+    block_table = block_table.clone()
+    block_table[b - num_reqs_padding:] = NULL_BLOCK
+    slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
+    for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for i in range(ql):
+            pos = sl - ql + i
+            slot_mapping[int(qsl[r]) + i] = int(block_table[r, pos // BLOCK]) * BLOCK + pos % BLOCK
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
+                                                                                        device=device),
+        num_reqs=b, num_actual_tokens=num_tokens, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table.to(device), slot_mapping=slot_mapping.to(device), causal=True,
+        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32))
+
+
+@pytest.fixture()
+def builder(vllm_config, device):
+    return EvenKVMetadataBuilder(_spec(torch.bfloat16), ["model.layers.0.self_attn.attn"], vllm_config,
+                                 device)
+
+
+def test_builder_init(builder):
+    assert builder.reorder_batch_threshold == 1
+    assert builder.attention.max_batch_size == MAX_NUM_SEQS
+    assert builder.attention.max_pages_per_request == MAX_MODEL_LEN // BLOCK
+    assert (builder.attention.num_q_heads, builder.attention.num_kv_heads, builder.attention.head_dim) == (HQ, HKV, D)
+    assert builder.attention.page_size == BLOCK and builder.attention.decode is not None
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,num_tokens,padded_reqs,expect", [
+    # (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)
+    ([1, 1, 1], [40, 3, 17], None, 0, (3, 0, 3, 0)),                       # pure decode
+    ([1, 1, 5, 7], [40, 3, 21, 7], None, 0, (2, 2, 2, 12)),                # decodes + prefills
+    ([1, 1, 5, 7], [40, 3, 21, 7], 18, 0, (2, 2, 2, 16)),                  # + padding tokens
+    ([1, 5, 1], [40, 21, 9], None, 0, (1, 2, 1, 6)),                       # first non-decode ends decodes
+    ([9, 1], [9, 30], None, 0, (0, 2, 0, 10)),                             # prefill first: no decodes
+    ([1, 1], [12, 30], 4, 2, (4, 0, 4, 0)),                                # padded uniform decode (graph)
+    ([1, 6], [12, 30], 8, 1, (1, 2, 1, 7)),                                # padded request after a prefill
+])
+def test_builder_splits_decodes_and_prefills(builder, device, q_lens, seq_lens, num_tokens, padded_reqs, expect):
+    cam = _cam(q_lens, seq_lens, device, num_tokens=num_tokens, num_reqs_padding=padded_reqs)
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == expect
+    assert md.num_actual_tokens == cam.num_actual_tokens
+    assert md.plan.batch_size == cam.num_reqs and md.plan.num_decodes == expect[0]
+    if expect[1] == 0:
+        assert md.plan.extend is None
+    else:
+        assert md.plan.extend.req_begin == expect[0] and md.plan.extend.max_q_len >= max(q_lens)
+    # The decode plan reads vLLM's (persistent) block table in place, not a copy.
+    assert md.block_table.data_ptr() == cam.block_table_tensor.data_ptr()
+
+
+def test_builder_cudagraph_capture_is_decode_only(builder, device):
+    md = builder.build_for_cudagraph_capture(_cam([1] * 4, [1] * 4, device, num_tokens=6, num_reqs_padding=2))
+    assert (md.num_decodes, md.num_prefills) == (6, 0)
+    with pytest.raises(RuntimeError, match="UNIFORM_SINGLE_TOKEN_DECODE"):
+        builder.build_for_cudagraph_capture(_cam([1, 3], [5, 9], device))
+
+
+def test_builder_refuses_non_causal(builder, device):
+    cam = _cam([1, 2], [5, 9], device)
+    cam.causal = False
+    with pytest.raises(NotImplementedError, match="causal"):
+        builder.build(0, cam)
+
+
+def test_builder_policy_knob(vllm_config, device, monkeypatch):
+    monkeypatch.setenv("EVENKV_POLICY", "fa3")
+    b = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+    assert b.attention.decode.policy == "fa3"
+    monkeypatch.setenv("EVENKV_POLICY", "nope")
+    with pytest.raises(ValueError, match="EVENKV_POLICY"):
+        EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+
+
+# -- impl: KV write and forward on a mixed batch in vLLM's KV layout ------------------------
+
+
+def _vllm_kv_cache(num_blocks, dtype, device):
+    """Allocate as vLLM's runner does: physical = logical shape permuted by the stride order."""
+    shape = EvenKVBackend.get_kv_cache_shape(num_blocks, BLOCK, HKV, D)
+    order = EvenKVBackend.get_kv_cache_stride_order()
+    physical = torch.zeros(tuple(shape[i] for i in order), dtype=dtype, device=device)
+    return physical.permute(*[order.index(i) for i in range(len(order))])
+
+
+class MixedBatch:
+    """A mixed step: decode rows, a chunked prefill on a cached prefix, a fresh prefill,
+    padding tokens; old tokens written into the cache directly, new ones through the impl."""
+
+    def __init__(self, q_lens, seq_lens, dtype, device, *, num_tokens=None, num_blocks=None, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        b = len(q_lens)
+        pages = [-(-s // BLOCK) for s in seq_lens]
+        num_blocks = num_blocks or 1 + sum(pages) + 3
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()  # block 0 = NULL_BLOCK, never used
+        width = MAX_MODEL_LEN // BLOCK
+        table = torch.full((b, width), NULL_BLOCK, dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(pages):
+            table[r, :n] = perm[used:used + n]
+            used += n
+        self.cam = _cam(q_lens, seq_lens, device, block_table=table, num_tokens=num_tokens)
+        t = self.cam.num_actual_tokens
+        self.kv_cache = _vllm_kv_cache(num_blocks, dtype, device)
+        self.ref_k = torch.zeros(num_blocks * BLOCK, HKV, D, dtype=dtype, device=device)
+        self.ref_v = torch.zeros_like(self.ref_k)
+        for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):  # cached prefix: positions < sl - ql
+            for pos in range(sl - ql):
+                blk, off = int(table[r, pos // BLOCK]), pos % BLOCK
+                k = torch.randn(HKV, D, generator=gen).to(dtype)
+                v = torch.randn(HKV, D, generator=gen).to(dtype)
+                self.kv_cache[blk, :, off, :D] = k.to(device)
+                self.kv_cache[blk, :, off, D:] = v.to(device)
+                self.ref_k[blk * BLOCK + off] = k.to(device)
+                self.ref_v[blk * BLOCK + off] = v.to(device)
+        self.query = torch.randn(t, HQ, D, generator=gen).to(dtype).to(device)
+        self.key = torch.randn(t, HKV, D, generator=gen).to(dtype).to(device)
+        self.value = torch.randn(t, HKV, D, generator=gen).to(dtype).to(device)
+        sm = self.cam.slot_mapping
+        keep = sm >= 0
+        self.ref_k[sm[keep]] = self.key[keep]
+        self.ref_v[sm[keep]] = self.value[keep]
+
+    def reference(self, compute_dtype=torch.float32, sm_scale=None):
+        c = self.cam
+        return extend_reference(self.query, self.ref_k, self.ref_v, c.query_start_loc, c.seq_lens,
+                                c.block_table_tensor, BLOCK, compute_dtype=compute_dtype, sm_scale=sm_scale)
+
+
+def _run_step(builder, impl, batch):
+    impl.do_kv_cache_update(None, batch.key, batch.value, batch.kv_cache, batch.cam.slot_mapping)
+    md = builder.build(0, batch.cam)
+    output = torch.full_like(batch.query, 7.0)  # rows past the last query must keep this
+    impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+    return md, output
+
+
+def _assert_matches_reference(batch, output, sm_scale=None):
+    real = int(batch.cam.query_start_loc_cpu[-1])
+    ref = batch.reference(sm_scale=sm_scale)
+    lowp = batch.reference(compute_dtype=batch.query.dtype, sm_scale=sm_scale)
+    err = (output[:real].float() - ref[:real]).abs().max().item()
+    base = (lowp[:real].float() - ref[:real]).abs().max().item()
+    bound = 2 * base + TOLERANCE_FLOOR[batch.query.dtype]
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {batch.query.dtype} error {base:.3e})"
+    assert torch.all(output[real:] == 7.0), "padding rows were written"
+
+
+MIXED = {
+    # decode rows (one long, one on a page boundary), a chunked prefill on a cached
+    # prefix, a fresh prefill, 3 padding tokens
+    "mixed": ([1, 1, 5, 7], [70, 16, 21, 7], 16),
+    "decode_only": ([1, 1, 1, 1, 1], [33, 1, 100, 17, 64], None),
+    "prefill_only": ([12, 3], [12, 40], None),
+}
+
+
+@pytest.mark.parametrize("kind", list(MIXED))
+def test_forward_matches_reference(builder, device, kind):
+    q_lens, seq_lens, num_tokens = MIXED[kind]
+    dtype = torch.bfloat16
+    batch = MixedBatch(q_lens, seq_lens, dtype, device, num_tokens=num_tokens, seed=len(q_lens))
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None)
+    md, output = _run_step(builder, impl, batch)
+    # The KV write put every new token where the test's own slot cache has it.
+    k_slots, v_slots = kv_cache_slot_views(batch.kv_cache, D)
+    assert torch.equal(k_slots, batch.ref_k) and torch.equal(v_slots, batch.ref_v)
+    assert torch.all(batch.kv_cache[NULL_BLOCK] == 0), "a padding token (slot -1) was written"
+    _assert_matches_reference(batch, output)
+
+
+def test_forward_reuses_plan_across_layers_and_rejects_stale_metadata(builder, device):
+    dtype = torch.bfloat16
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None)
+    batch = MixedBatch(*MIXED["mixed"][:2], dtype, device, num_tokens=MIXED["mixed"][2], seed=3)
+    md, first = _run_step(builder, impl, batch)
+    second = torch.empty_like(first)  # a second layer on the same metadata
+    impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, second)
+    real = int(batch.cam.query_start_loc_cpu[-1])
+    assert torch.equal(first[:real], second[:real])
+    builder.build(0, _cam([1], [5], device))  # the next step
+    with pytest.raises(ValueError, match="latest plan"):
+        impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, second)
+
+
+def test_forward_without_metadata_writes_zeros(device):
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    out = torch.full((3, HQ, D), 5.0, device=device)
+    res = impl.forward(None, out.clone(), None, None, torch.empty(0), None, out)
+    assert res is out and torch.all(out == 0)
+
+
+def test_layers_of_one_plan_use_their_own_scales(builder, device):
+    """One plan per step serves every layer; each layer's softmax scale is its own."""
+    batch = MixedBatch(*MIXED["mixed"][:2], torch.bfloat16, device, num_tokens=MIXED["mixed"][2], seed=5)
+    md, _ = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
+    output = torch.full_like(batch.query, 7.0)
+    EvenKVImpl(HQ, D, 0.3, HKV).forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+    _assert_matches_reference(batch, output, sm_scale=0.3)
+
+
+def test_slot_views_refuse_hnd_layout(device):
+    hnd = torch.zeros(4, HKV, BLOCK, 2 * D, device=device)  # blocks, heads, block_size, 2D contiguous = HND
+    with pytest.raises(ValueError, match="NHD"):
+        kv_cache_slot_views(hnd, D)
+    k, v = kv_cache_slot_views(_vllm_kv_cache(4, torch.float16, device), D)
+    assert k.shape == (4 * BLOCK, HKV, D) and v.shape == (4 * BLOCK, HKV, D)
+
+
+# -- GPU lane ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mixed_batch_bf16(vllm_config):
+    dev = torch.device("cuda")
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, dev)
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    batch = MixedBatch([1, 1, 1, 40, 3], [200, 1, 255, 100, 3], torch.bfloat16, dev, num_tokens=50, seed=7)
+    _, output = _run_step(builder, impl, batch)
+    _assert_matches_reference(batch, output)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_cuda_graph_replay_after_replan(vllm_config):
+    """What UNIFORM_SINGLE_TOKEN_DECODE promises: capture a padded decode step once, then for
+    a later step with other lengths run only build() (outside the graph) and replay."""
+    dev = torch.device("cuda")
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, dev)
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    num_blocks = 1 + 4 * (MAX_MODEL_LEN // BLOCK)  # fixed, so every step's cache has one shape
+    first = MixedBatch([1] * 4, [9, 200, 33, 1], torch.bfloat16, dev, num_blocks=num_blocks, seed=1)
+    # Persistent inputs, as vLLM's runner keeps them: refilled in place each step.
+    cam = first.cam
+    query, output = first.query.clone(), torch.empty_like(first.query)
+    md = builder.build_for_cudagraph_capture(cam)
+    impl.forward(None, query, None, None, first.kv_cache, md, output)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(None, query, None, None, first.kv_cache, md, output)
+    for seed, lens in ((2, [255, 2, 17, 64]), (3, [1, 1, 130, 250])):
+        step = MixedBatch([1] * 4, lens, torch.bfloat16, dev, num_blocks=num_blocks, seed=seed)
+        first.kv_cache.copy_(step.kv_cache)  # same block count: same shape
+        impl.do_kv_cache_update(None, step.key, step.value, first.kv_cache, step.cam.slot_mapping)
+        cam.seq_lens.copy_(step.cam.seq_lens)
+        cam.block_table_tensor.copy_(step.cam.block_table_tensor)
+        query.copy_(step.query)
+        builder.build(0, cam)  # re-plan into the same buffers, outside the graph
+        graph.replay()
+        torch.cuda.synchronize()
+        step.kv_cache = first.kv_cache
+        _assert_matches_reference(step, output)

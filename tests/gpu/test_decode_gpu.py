@@ -1,0 +1,167 @@
+"""GPU lane (``pytest -m gpu``): realistic shapes, every policy and both arch tables,
+page sizes 1 and 16, CUDA-graph capture of plan + run with replays on changed lengths.
+Tolerance rule as in the CPU lane (helpers.assert_close_to_reference), checked on a
+sample of requests because the fp32 reference loops in Python."""
+
+import pytest
+import torch
+
+import evenkv
+from evenkv.kernels.reference import decode_reference
+from evenkv.testing import random_paged_batch
+from helpers import TOLERANCE_FLOOR, lowp_decode
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
+
+HQ, HKV, D = 32, 4, 128
+
+
+def skewed_lens(total, batch, share, gen):
+    """`batch` lengths summing to `total`; request 0 holds `share` of it, the rest split evenly (>= 1 each)."""
+    if batch == 1:
+        return [total]
+    long = int(total * share) if share else total // batch
+    rest = total - long
+    lens = [long] + [rest // (batch - 1)] * (batch - 1)
+    for i in range(rest % (batch - 1)):
+        lens[1 + i] += 1
+    perm = torch.randperm(batch - 1, generator=gen).tolist()
+    return [lens[0]] + [lens[1 + p] for p in perm]
+
+
+def build(lens, page_size, dtype=torch.bfloat16, seed=0, hq=HQ, hkv=HKV, d=D):
+    """q, k, v, seq_lens, page_table of a random batch on the GPU (``evenkv.testing``)."""
+    return random_paged_batch(lens, hq, hkv, d, page_size, dtype, "cuda", seed=seed, spare_pages=8)
+
+
+def check_sample(out, q, k, v, seq_lens, pt, page_size, rows):
+    rows = torch.tensor(sorted({r for r in rows if 0 <= r < q.shape[0]}), device=q.device)
+    sub = (q[rows], k, v, seq_lens[rows], pt[rows], page_size)
+    ref = decode_reference(*sub)
+    base = (lowp_decode(*sub).float() - ref).abs().max().item()
+    err = (out[rows].float() - ref).abs().max().item()
+    bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
+    assert err <= bound, f"error {err:.3e} > {bound:.3e} (torch lowp {base:.3e})"
+
+
+CASES = [  # (total tokens, batch, long share)
+    (262144, 1, 0.0), (262144, 8, 0.8), (262144, 64, 0.4), (262144, 512, 0.8), (262144, 2048, 0.0),
+    (1048576, 2048, 0.6), (1048576, 3, 0.0),
+]
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_realistic_shapes(policy, arch, page_size):
+    gen = torch.Generator().manual_seed(1)
+    for total, batch, share in CASES:
+        lens = skewed_lens(total, batch, share, gen)
+        q, k, v, seq_lens, pt = build(lens, page_size)
+        attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", 2048, pt.shape[1], policy, arch=arch)
+        plan = attn.plan(seq_lens, pt)
+        out = attn.run(plan, q, k, v)
+        check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
+
+
+@pytest.mark.parametrize("shape,page_size", [((HQ, HKV, D), 16), ((32, 8, 64), 1)], ids=["d128-p16", "d64-p1"])
+def test_many_segments_grid_switch(shape, page_size):
+    """One DecodeAttention (sm90 table) plans B = 2048 with the many-segments row and its
+    larger grid, B = 64 with the main row, then B = 2048 again: each run matches the
+    reference (the workspaces hold the larger grid) and leaves the merge counters at 0.
+    Qwen3-30B-A3B at page 16; Llama-3.2-1B (head_dim 64, whose row serves every page size) at page 1."""
+    hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(5)
+    attn = evenkv.DecodeAttention(hq, hkv, d, page_size, torch.bfloat16, "cuda", 2048, 262144 // page_size + 2,
+                                  arch="sm90")
+    many, _ = attn.launch_config(2048)
+    assert many.name.endswith("-many") and attn.launch_config(64) == (attn.config, attn.num_ctas)
+    for batch, share in ((2048, 0.4), (64, 0.8), (2048, 0.0)):
+        lens = skewed_lens(262144, batch, share, gen)
+        q, k, v, seq_lens, pt = build(lens, page_size, seed=batch, hq=hq, hkv=hkv, d=d)
+        plan = attn.plan(seq_lens, pt)
+        assert plan.config == (many if batch == 2048 else attn.config)
+        out = attn.run(plan, q, k, v)
+        check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
+        assert int(attn._merge_counters.abs().sum()) == 0
+
+
+def capture_plan_run(attn, q, k, v, seq_lens, pt, out):
+    """Warm up (compile) outside the capture, then capture plan + run into one CUDA graph
+    that reads seq_lens/pt/q and writes out in place."""
+    plan = attn.plan(seq_lens, pt)
+    attn.run(plan, q, k, v, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = attn.plan(seq_lens, pt)
+        attn.run(plan, q, k, v, out=out)
+    return graph
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+def test_cuda_graph_capture_and_replay(policy):
+    """Capture plan + run once; replay with other lengths of the same batch size (incl.
+    padding rows of length 0) and compare every replay with an eager run."""
+    batch, page_size = 64, 16
+    gen = torch.Generator().manual_seed(2)
+    max_len = 4096
+    q, k, v, _, pt = build([max_len] * batch, page_size, seed=3)
+    seq_lens = torch.full((batch,), max_len, dtype=torch.int32, device="cuda")
+    attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
+    eager = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", batch, pt.shape[1], policy)
+    out = torch.empty_like(q)
+    graph = capture_plan_run(attn, q, k, v, seq_lens, pt, out)
+    for step in range(20):
+        lens = torch.randint(0, max_len + 1, (batch,), generator=gen)
+        if step % 3 == 0:
+            lens[torch.randperm(batch, generator=gen)[:batch // 4]] = 0  # padded rows
+        if step % 4 == 1:
+            lens[:] = 1
+            lens[0] = max_len  # one dominant request
+        seq_lens.copy_(lens)
+        graph.replay()
+        plan = eager.plan(seq_lens, pt)
+        want = eager.run(plan, q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {step} differs from the eager run"
+        if step % 5 == 0:
+            check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch - 1])
+
+
+def test_large_cache_offsets_pass_int32():
+    """Cache slots beyond 2**31 elements: slot * stride must be computed in int64."""
+    hkv, d, page_size = 8, 128, 16
+    slots = (2**31) // (hkv * d) + 4096  # ~2.1M slots, 4.3 GB per bf16 cache
+    k = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    num_pages = slots // page_size
+    lens = [3000, 17]
+    pt = torch.stack([torch.arange(num_pages - 200, num_pages - 200 + 190, dtype=torch.int32, device="cuda"),
+                      torch.arange(0, 190, dtype=torch.int32, device="cuda")])
+    q = torch.randn(2, 32, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = evenkv.decode(q, k, v, seq_lens, pt, page_size)
+    check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1])
+
+
+def test_deterministic_batch_invariance_50_batches():
+    """deterministic=True: one request of 100K tokens in 50 random batches (B up to 512,
+    neighbours of 1-20K tokens, random position) gives bitwise identical bytes."""
+    gen = torch.Generator().manual_seed(4)
+    pool_lens = [100_000] + [int(x) for x in torch.randint(1, 20_000, (511,), generator=gen)]
+    q, k, v, seq_lens, pt = build(pool_lens, 16, seed=5)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 512, pt.shape[1], deterministic=True)
+    plan = attn.plan(seq_lens[:1], pt[:1])
+    want = attn.run(plan, q[:1], k, v)[0].clone()
+    check_sample(attn.run(plan, q[:1], k, v), q[:1], k, v, seq_lens[:1], pt[:1], 16, [0])
+    for _ in range(50):
+        batch = int(torch.randint(1, 513, (1,), generator=gen))
+        rows = (torch.randperm(511, generator=gen)[:batch - 1] + 1).tolist()
+        pos = int(torch.randint(0, batch, (1,), generator=gen))
+        rows.insert(pos, 0)
+        idx = torch.tensor(rows, device="cuda")
+        plan = attn.plan(seq_lens[idx], pt[idx])
+        out = attn.run(plan, q[idx], k, v)
+        assert torch.equal(out[pos], want), (batch, pos)
