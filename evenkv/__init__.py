@@ -7,16 +7,19 @@ Public API:
     decode           one-shot functional decode for scripts
     extend           one-shot prefill / extend attention over the paged prefix (q_len >= 1, causal)
     write_kv         scatter new K/V into the paged cache
+    check_errors     raise if a kernel saw bad batch data (out-of-range pages, slots, lengths)
 """
 
 from .attention import Attention, AttentionPlan
 from .configs import DecodeConfig, ExtendConfig, decode_config, extend_config, resolve_arch
 from .decode import POLICIES, DecodeAttention, DecodePlan, decode, write_kv
+from .errors import EvenKVError, check_errors
 from .extend import extend
 from .schedule import StreamSchedule, UnitSchedule
 
 __version__ = "0.2.0"
 
 __all__ = ["Attention", "AttentionPlan", "DecodeAttention", "DecodePlan", "decode", "extend", "write_kv",
+           "check_errors", "EvenKVError",
            "DecodeConfig", "ExtendConfig", "decode_config", "extend_config", "resolve_arch", "StreamSchedule",
            "UnitSchedule", "POLICIES"]

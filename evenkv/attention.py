@@ -19,10 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import (check_attention_layout, check_batch_limits, check_policy, check_positive_int, check_tensor,
-                     output_like, resolve_device, resolve_sm_scale)
-from .configs import ExtendConfig, extend_config, resolve_arch
+from evenkv.kernels import decode_launch as launch
+from evenkv.kernels import extend_launch
+from evenkv.kernels.launching import parallel_compiles
+
+from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
+                     check_tensor, output_like, resolve_device, resolve_sm_scale)
+from .configs import ExtendConfig, extend_config, extend_configs, resolve_arch, sm_count
 from .decode import POLICIES, DecodeAttention, DecodePlan, debug_enabled
+from .errors import error_flag
 from .extend import (SCHEDULES, ExtendPlan, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
                      normalize_logit_cap, normalize_window, plan_extend, run_extend)
 
@@ -36,6 +41,7 @@ class AttentionPlan:
     ``decode_via_extend``: a sliding window or soft-cap, which the decode kernels do not
     apply, sends them to the extend kernel). extend: the extend kernel's plan for the
     other rows (None when every request is a decode row on the decode path).
+    seq_lens [B], page_table [B, max_pages]: the caller's tensors.
     Valid until the ``Attention`` that made it plans again.
     """
 
@@ -43,6 +49,8 @@ class AttentionPlan:
     num_decodes: int
     decode: DecodePlan | None
     extend: ExtendPlan | None
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
 
 
 class Attention:
@@ -94,6 +102,52 @@ class Attention:
         self._order = torch.zeros(max_batch_size, **i32)
         self._sorted_start = torch.zeros(max_batch_size, **i32)
         self._plan: AttentionPlan | None = None
+        self.warmed_up = False  # set by warmup()
+        self._audit_pending = False
+        self._errors = error_flag(self.device)
+        self._audit_grid = sm_count(self.device)
+
+    def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+               k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               index_dtypes: tuple = INDEX_DTYPES) -> None:
+        """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
+        for tensors laid out like these (dtypes, strides, alignment), whatever the batch: the
+        decode kernels (``DecodeAttention.warmup``), the page audit, and the extend plan and
+        extend kernels of every extend config a batch can pick (``configs.extend_configs``),
+        with new tokens in ``k_new``/``v_new`` iff they are given (SGLang) or read from the
+        cache (vLLM). Lengths may come in each dtype of ``index_dtypes``. Engines call it once,
+        when they first hold these tensors; after it no batch compiles a kernel.
+
+        Shapes as ``run``'s. Under the Triton interpreter nothing is compiled.
+        """
+        with parallel_compiles():
+            self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, index_dtypes)
+        self.warmed_up = True
+
+    def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, index_dtypes) -> None:
+        if self.decode is not None:
+            self.decode.warmup(q, as_slots("k_cache", k_cache), as_slots("v_cache", v_cache), out=out,
+                               index_dtypes=index_dtypes)
+        dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
+        page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
+        configs = ([self._extend_config] if self._extend_config is not None else
+                   extend_configs(self.arch, self.head_dim, self.group_size))
+        for block_b in launch.plan_block_buckets(self.max_batch_size):
+            for dtype in index_dtypes:
+                launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), page_table, self._errors,
+                                          1, self.page_size, self._audit_grid, warmup=True)
+        for config in configs:
+            for dtype in index_dtypes:
+                lens = torch.zeros(1, dtype=dtype, device=dev)
+                extend_launch.launch_extend_plan(cu, lens, self._order, self._sorted_start, self._errors, req_begin=0,
+                                                 max_q_len=1, group_size=self.group_size, block_m=config.block_m,
+                                                 lpt=self.schedule == "lpt", warmup=True)
+                extend_launch.launch_extend(
+                    q, k_cache, v_cache, k_new, v_new, out, cu, lens, page_table, self._order, self._sorted_start,
+                    self._errors, num_programs_bound=1, req_begin=0, max_q_len=1, page_size=self.page_size,
+                    sm_scale=self.sm_scale, causal=True, window=self.sliding_window, logit_cap=self.logit_cap,
+                    block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
+                    num_stages=config.num_stages, warmup=True)
 
     def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
              num_decodes: int, max_q_len: int, seq_lens_cpu: torch.Tensor | None = None) -> AttentionPlan:
@@ -137,7 +191,8 @@ class Attention:
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
                                       schedule=self.schedule, req_begin=req_begin, order=self._order,
                                       sorted_start=self._sorted_start)
-        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan)
+        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan, seq_lens, page_table)
+        self._audit_pending = True
         return self._plan
 
     def run(self, plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -187,10 +242,15 @@ class Attention:
         if self.debug and ext is not None:
             check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
                                   capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
+        if self._audit_pending:
+            num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else self.page_size)
+            launch.launch_audit_pages(plan.seq_lens, plan.page_table, self._errors, num_slots // self.page_size,
+                                      self.page_size, self._audit_grid)
+            self._audit_pending = False
         if plan.decode is not None:
             nd = plan.num_decodes
-            self.decode.run(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
-                            out=out[:nd], sm_scale=scale)
+            self.decode.run_unchecked(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
+                                      out[:nd], scale)
         if ext is not None:
             run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=True,
                        sliding_window=self.sliding_window, logit_cap=self.logit_cap)

@@ -36,6 +36,11 @@ def env_flag(name: str, value: bool | None = None) -> bool:
     return value if value is not None else os.environ.get(name, "0") not in ("", "0")
 
 
+def graph_capturing() -> bool:
+    """True while the current CUDA stream records a graph (False on machines without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_arch(arch: str) -> str:
     if arch not in ARCHES:
         raise ValueError(f"arch: expected one of {ARCHES}, got {arch!r}")
@@ -59,9 +64,21 @@ def resolve_arch(arch: str | None, device: torch.device) -> str:
     return _probe_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Under the interpreter there are no SMs: a small fake count makes the schedules cut
+# requests (and so exercise the merges) on tiny test batches.
+INTERPRETER_SMS = 2
+
+
 @functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
+def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (INTERPRETER_SMS for the CPU under the interpreter)."""
+    if device.type != "cuda" or is_interpreter():
+        return INTERPRETER_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def head_dim_class(head_dim: int) -> str:

@@ -7,8 +7,9 @@ A plan records the addresses of ``seq_lens`` and ``page_table``; under graphs pa
 same persistent buffers each time and refill them in place. Host-side checks that need
 data (lengths against the page table, page indices against the cache) run only when the
 lengths are already on the host (``seq_lens_cpu=``) or in debug mode (``debug=True`` or
-``EVENKV_DEBUG=1``), which syncs. Without them, lengths are clamped to the page table on
-the GPU, so no kernel ever reads past a page-table row.
+``EVENKV_DEBUG=1``), which syncs. Without them the kernels stay inside the caches anyway:
+lengths are clamped to the page table, page ids outside the cache are never dereferenced,
+and each such case sets the device's error flag (``evenkv.errors``).
 """
 
 import dataclasses
@@ -16,19 +17,19 @@ import dataclasses
 import torch
 
 from evenkv.kernels import decode_launch as launch
+from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
                      check_page_table, check_policy, check_positive_int, check_tensor, output_like, resolve_device,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, env_flag, is_interpreter,
-                      many_segments_config, num_sms, resolve_arch)
+                      many_segments_config, resolve_arch, sm_count)
+from .errors import LENGTH_OUT_OF_RANGE, error_flag
 from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
                        plan_chunked_units, plan_fa3_units)
 
 POLICIES = ("balanced", "fa3", "none")
-# Under the interpreter there are no SMs: a small fake grid makes the schedules cut
-# requests (and so exercise the merges) on tiny test batches.
-INTERPRETER_SMS = 2
+# Resident CTAs per (fake) SM under the interpreter.
 INTERPRETER_CTAS_PER_SM = 2
 
 
@@ -93,11 +94,14 @@ class DecodeAttention:
         self.config = config if config is not None else decode_config(self.arch, head_dim, page_size)
         self.debug = debug_enabled(debug)
         self._on_gpu = self.device.type == "cuda" and not is_interpreter()
-        self.num_sms = num_sms(self.device.index) if self._on_gpu else INTERPRETER_SMS
+        self.num_sms = sm_count(self.device)
         # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
         self._pdl_capable = self._on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
         self._plan: DecodePlan | None = None
         self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        self._errors = error_flag(self.device)
+        self._audit_pending = False
+        self.warmed_up = False  # set by warmup()
         # Batches of many short segments: the table's second row and its grid (see launch_config).
         many = None
         if self._kind == "stream" and config is None and num_ctas is None:
@@ -169,20 +173,56 @@ class DecodeAttention:
         return dict(q=q, k_cache=cache, v_cache=cache, out=torch.empty_like(q),
                     page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))
 
-    def _compile(self, config: DecodeConfig, t: dict):
+    def _compile(self, config: DecodeConfig, t: dict, merge: bool = False):
         """Compile (without launching) this policy's decode kernel for ``config`` on tensors
-        laid out like ``t``'s; returns the compiled kernel."""
+        laid out like ``t``'s, and with ``merge`` its merge kernel; returns the compiled
+        decode kernel."""
         i32 = dict(dtype=torch.int32, device=self.device)
         lens = torch.zeros(1, **i32)
         scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         if self._kind == "stream":
+            pdl = self._use_pdl(config)
+            cta_start, scalars = torch.zeros(1, 4, **i32), torch.zeros(4, **i32)
+            if merge:
+                launch.launch_merge_stream(scratch, scratch, t["out"], cta_start, scalars, 1, self.num_kv_heads,
+                                           config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                               lens, t["page_table"], torch.zeros(1, 2, **i32),
-                                               torch.zeros(1, 4, **i32), torch.zeros(4, **i32), 1.0, 1,
-                                               self.page_size, config, self._use_pdl(config), warmup=True)
+                                               lens, t["page_table"], torch.zeros(1, 2, **i32), cta_start, scalars,
+                                               1.0, 1, self.page_size, config, pdl, warmup=True)
+        if merge and self._kind == "units":
+            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, self.num_kv_heads, warmup=True)
         return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
                                           t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), 1.0,
                                           1, self._kind == "units", self.page_size, config, warmup=True)
+
+    def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+               out: torch.Tensor | None = None, index_dtypes: tuple = INDEX_DTYPES) -> None:
+        """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
+        for tensors laid out like these (dtypes, strides, alignment; any batch size): each
+        config's decode and merge kernels, and the plan and page-audit kernels for every
+        batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
+        specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
+
+        q: [*, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; out: [*, Hq, D] (default: like q).
+        Under the Triton interpreter nothing is compiled (the launches are no-ops).
+        """
+        t = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out if out is not None else q,
+                 page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
+        configs = [(self.config, self.num_ctas)] + ([self._many] if self._many else [])
+        s = self._schedule
+        with parallel_compiles():
+            for config, ctas in configs:
+                self._compile(config, t, merge=True)
+            for block_b in launch.plan_block_buckets(self.max_batch_size):
+                for dtype in index_dtypes:
+                    lens = torch.zeros(block_b, dtype=dtype, device=self.device)
+                    launch.launch_audit_pages(lens, t["page_table"], self._errors, 1, self.page_size, self.num_sms,
+                                              warmup=True)
+                    for config, ctas in configs if self._kind == "stream" else []:
+                        launch.launch_plan_stream(lens, self._plan_seq_lens, s.active_req, s.cta_start,
+                                                  s.plan_scalars, self._errors, 1, ctas, self.num_sms,
+                                                  self.num_kv_heads, config.block_n, warmup=True)
+        self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
 
@@ -211,10 +251,12 @@ class DecodeAttention:
         if batch > 0 and self._kind == "stream":
             schedule = self._grid_schedules[ctas]
             launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
-                                      schedule.plan_scalars, capacity, ctas, self.num_sms, self.num_kv_heads,
-                                      config.block_n)
+                                      schedule.plan_scalars, self._errors, capacity, ctas, self.num_sms,
+                                      self.num_kv_heads, config.block_n)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
+            clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
+            self._errors.bitwise_or_(clamped.to(torch.int32) * LENGTH_OUT_OF_RANGE)
             if self.policy == "fa3":
                 plan_fa3_units(plan_seq_lens, self._schedule, block_n=config.block_n,
                                num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
@@ -222,6 +264,7 @@ class DecodeAttention:
                 plan_chunked_units(plan_seq_lens, self._schedule, block_n=config.block_n,
                                    num_kv_heads=self.num_kv_heads)
         self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config)
+        self._audit_pending = True
         return self._plan
 
     # -- run --------------------------------------------------------------------
@@ -250,13 +293,26 @@ class DecodeAttention:
             return out
         if self.debug:
             check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0])
+        if self._audit_pending:
+            self.audit_pages(plan.seq_lens, plan.page_table, k_cache.shape[0])
+        return self.run_unchecked(plan, q, k_cache, v_cache, out, scale)
+
+    def audit_pages(self, seq_lens: torch.Tensor, page_table: torch.Tensor, num_slots: int) -> None:
+        """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
+        slots in the error flag (the kernels never dereference them)."""
+        launch.launch_audit_pages(seq_lens, page_table, self._errors, num_slots // self.page_size, self.page_size,
+                                  self.num_sms)
+        self._audit_pending = False
+
+    def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, scale: float) -> torch.Tensor:
+        """``run`` after its checks and the page audit (``evenkv.Attention`` calls this)."""
+        hkv = self.num_kv_heads
         s = plan.schedule
         if self._kind == "stream":
             pdl = self._use_pdl(plan.config)
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
-                                        plan.seq_lens, plan.page_table, s.active_req,
-                                        s.cta_start, s.plan_scalars, scale, s.num_ctas, self.page_size,
-                                        plan.config, pdl)
+                                        plan.seq_lens, plan.page_table, s.active_req, s.cta_start, s.plan_scalars,
+                                        scale, s.num_ctas, self.page_size, plan.config, pdl)
             launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, s.num_ctas,
                                        hkv, plan.config, pdl)
         elif self._kind == "units":
@@ -269,8 +325,8 @@ class DecodeAttention:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
-                                       plan.seq_lens, plan.seq_lens, scale, b * hkv, False, self.page_size,
-                                       plan.config)
+                                       plan.seq_lens, plan.seq_lens, scale, plan.batch_size * hkv, False,
+                                       self.page_size, plan.config)
         return out
 
     def check_plan(self, plan) -> None:
@@ -330,8 +386,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
 
     k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D); k_new, v_new: [N, Hkv, D]
     (any float dtype, cast to the cache's); slot_mapping: [N] int32/int64, slot of each
-    token, negative = skip (padding). Slots are not range-checked on the GPU; with
-    EVENKV_DEBUG=1 they are checked on the host first.
+    token, negative = skip (padding). A slot >= num_slots is not written and sets the
+    device's error flag (``evenkv.check_errors``); with EVENKV_DEBUG=1 slots are checked on
+    the host first.
     """
     check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
     dev, (num_slots, hkv, d) = resolve_device(k_cache.device), k_cache.shape
@@ -349,7 +406,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
         hi = int(slot_mapping.max())
         if hi >= num_slots:
             raise ValueError(f"slot_mapping: expected slots < num_slots={num_slots}, got {hi}")
-    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping)
+    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, error_flag(dev))
 
 
-__all__ = ["DecodeAttention", "DecodePlan", "decode", "write_kv", "POLICIES"]
+def warmup_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    index_dtypes: tuple = INDEX_DTYPES) -> None:
+    """Compile, without running, ``write_kv``'s kernel for tensors laid out like these
+    (``write_kv``'s shapes), for slot mappings of each dtype in ``index_dtypes``."""
+    dev = resolve_device(k_cache.device)
+    for dtype in index_dtypes:
+        launch.launch_kv_write(k_cache, v_cache, k_new, v_new, torch.zeros(1, dtype=dtype, device=dev),
+                               error_flag(dev), warmup=True)
+
+
+__all__ = ["DecodeAttention", "DecodePlan", "decode", "write_kv", "warmup_write_kv", "POLICIES"]

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from evenkv.kernels import decode_launch
 from evenkv.kernels import extend_launch as launch
 
 from .checks import (INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_page_table,
                      check_positive_int, check_tensor, output_like, resolve_device, resolve_sm_scale)
-from .configs import ExtendConfig, extend_config, resolve_arch
+from .configs import ExtendConfig, extend_config, resolve_arch, sm_count
 from .decode import debug_enabled
+from .errors import error_flag
 
 SCHEDULES = ("lpt", "ordered")
 
@@ -37,6 +39,7 @@ class ExtendPlan:
     cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]: the caller's tensors.
     order [B] int32: requests in execution order (LPT: by decreasing seq_len).
     sorted_start [B] int32: first query-block index of order[r]; non-decreasing from 0.
+    errors [1] int32: the device's error flag (``evenkv.errors``).
     """
 
     batch_size: int
@@ -51,6 +54,7 @@ class ExtendPlan:
     page_table: torch.Tensor
     order: torch.Tensor
     sorted_start: torch.Tensor
+    errors: torch.Tensor
 
 
 def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *, page_size: int,
@@ -66,11 +70,13 @@ def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: 
     order = order[:batch] if order is not None else torch.empty(batch, dtype=torch.int32, device=dev)
     sorted_start = (sorted_start[:batch] if sorted_start is not None
                     else torch.empty(batch, dtype=torch.int32, device=dev))
+    errors = error_flag(dev)
     if batch > 0:
-        launch.launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, req_begin=req_begin,
-                                  group_size=group_size, block_m=config.block_m, lpt=schedule == "lpt")
+        launch.launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, req_begin=req_begin,
+                                  max_q_len=max_q_len, group_size=group_size, block_m=config.block_m,
+                                  lpt=schedule == "lpt")
     return ExtendPlan(batch, req_begin, max_q_len, page_size, group_size, schedule, config, cu_seqlens_q, seq_lens,
-                      page_table, order, sorted_start)
+                      page_table, order, sorted_start, errors)
 
 
 def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,10 +86,10 @@ def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     c = plan.config
     bound = launch.num_query_blocks_bound(q.shape[0], plan.batch_size, plan.max_q_len, plan.group_size, c.block_m)
     launch.launch_extend(q, k_cache, v_cache, k_new, v_new, out, plan.cu_seqlens_q, plan.seq_lens, plan.page_table,
-                         plan.order, plan.sorted_start, num_programs_bound=bound, req_begin=plan.req_begin,
-                         page_size=plan.page_size, sm_scale=sm_scale, causal=causal, window=sliding_window,
-                         logit_cap=logit_cap, block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps,
-                         num_stages=c.num_stages)
+                         plan.order, plan.sorted_start, plan.errors, num_programs_bound=bound,
+                         req_begin=plan.req_begin, max_q_len=plan.max_q_len, page_size=plan.page_size,
+                         sm_scale=sm_scale, causal=causal, window=sliding_window, logit_cap=logit_cap,
+                         block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -266,6 +272,9 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         config = extend_config(resolve_arch(arch, dev), head_dim, group, max_q_len)
     plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
                        max_q_len=max_q_len, config=config, schedule=schedule)
+    num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else page_size)
+    decode_launch.launch_audit_pages(seq_lens, page_table, plan.errors, num_slots // page_size, page_size,
+                                     sm_count(dev))
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap)
 

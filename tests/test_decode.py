@@ -225,6 +225,10 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     assert torch.equal(attn.run(plan, q, k_cache, v_cache), first)
 
 
+# The page-id guard keeps the cache's page count live through the tile loop; where a row's
+# register cap is tight, ptxas reloads up to this many loop-invariant values per iteration
+# from local memory (L1 hits; docs/tuning.md, "The page-id guard"). Loop state never spills.
+GUARD_RELOADS = 3
 # One SM of an H100/H200 (sm90) and of an A100 (sm80): 64K registers, shared memory per SM.
 SM_REGISTERS = 65536
 SM_SHARED = {90: 228 * 1024, 80: 164 * 1024}
@@ -293,7 +297,7 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
         assert stream["stack"] == 0, f"register spills: {stream}"
     else:
         assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
-        assert stream["mma_loop_reloads"] == 0, f"local-memory reloads in the tile loop: {stream}"
+        assert stream["mma_loop_reloads"] <= GUARD_RELOADS, f"local-memory reloads in the tile loop: {stream}"
     if starved_check:
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
     merge_options = dict(num_warps=MERGE_NUM_WARPS)

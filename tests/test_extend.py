@@ -237,8 +237,10 @@ def test_plan_matches_oracle(device, data):
     cu = torch.tensor([0] + np.cumsum(q_lens).tolist(), **i32)
     order = torch.full((batch,), -1, **i32)
     starts = torch.full((batch,), -1, **i32)
-    extend_launch.launch_extend_plan(cu, torch.tensor(seq_lens, **i32), order, starts, req_begin=req_begin,
-                                     group_size=group, block_m=block_m, lpt=lpt)
+    errors = torch.zeros(1, **i32)
+    extend_launch.launch_extend_plan(cu, torch.tensor(seq_lens, **i32), order, starts, errors, req_begin=req_begin,
+                                     max_q_len=max(q_lens), group_size=group, block_m=block_m, lpt=lpt)
+    assert int(errors) == 0
     want_order, want_starts = plan_oracle(q_lens, seq_lens, req_begin, group, block_m, lpt)
     np.testing.assert_array_equal(order.cpu().numpy(), want_order)
     np.testing.assert_array_equal(starts.cpu().numpy(), want_starts)

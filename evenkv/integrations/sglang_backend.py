@@ -92,6 +92,7 @@ class EvenKVAttnBackend(AttentionBackend):
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         self.attention = Attention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
                                    self.device, max_batch_size, self.max_pages, policy)
+        self._warmup()
         # cu_seqlens_q of every decode batch: request i owns q row i.
         self._decode_cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.forward_metadata: ForwardMetadata | None = None
@@ -99,6 +100,17 @@ class EvenKVAttnBackend(AttentionBackend):
         # CUDA-graph buffers (init_cuda_graph_state).
         self.cuda_graph_seq_lens: torch.Tensor | None = None
         self.cuda_graph_page_table: torch.Tensor | None = None
+
+    def _warmup(self) -> None:
+        """Compile every kernel variant a batch can need now, at start-up, on tensors laid out as
+        forward will pass them (q, k, v as views of one qkv row; the pool's caches)."""
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=self.dtype, device=self.device)
+        q = qkv[:, :hq * d].view(-1, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+        k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(0)
+        self.attention.warmup(q, k_cache, v_cache, k_new=k, v_new=v, out=torch.empty_like(q))
 
     # -- metadata -----------------------------------------------------------------
 

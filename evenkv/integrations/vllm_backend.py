@@ -40,6 +40,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 
+from evenkv.configs import graph_capturing
+
 if TYPE_CHECKING:
     from evenkv.attention import Attention, AttentionPlan
 
@@ -354,6 +356,7 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._write_warmed_up = False
         self.sliding_window = None
         self.logits_soft_cap = None
         self.sinks = None
@@ -362,11 +365,14 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key, value [T, Hkv, D] -> cache slots ``slot_mapping`` [N] (N <= T; -1 = padding, skipped)."""
-        from evenkv.decode import write_kv
+        from evenkv.decode import warmup_write_kv, write_kv
 
         if kv_cache.numel() == 0:  # the placeholder a layer holds before vLLM binds its cache
             return
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        if not self._write_warmed_up and not graph_capturing():
+            warmup_write_kv(k_cache, v_cache, key, value)
+            self._write_warmed_up = True
         n = min(slot_mapping.shape[0], key.shape[0])
         write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n])
 
@@ -384,6 +390,10 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
             return output.fill_(0)
         md = attn_metadata
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        if not md.attention.warmed_up and not graph_capturing():
+            # The first step that holds the real tensors (vLLM's warm-up runs, before it is
+            # ready): compile every variant a later batch could need.
+            md.attention.warmup(query, k_cache, v_cache, out=output)
         n = md.num_actual_tokens
         md.attention.run(md.plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale)
         return output

@@ -26,6 +26,16 @@ and ``_merge_to_out``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
+
+Memory safety does not depend on the page table: a page id outside ``[0, num_pages)`` is
+never dereferenced (its K and V load as zeros; the request's result is then undefined).
+``evenkv.kernels.plan.audit_pages_kernel``, once per plan, sets PAGE_OUT_OF_RANGE in the
+error flag for such ids, so the tile loops carry nothing for it. Lengths were clamped to the page table by the
+planner.
+
+Specialization: integers that vary with the batch or the cache (the batch size, the page
+table's row stride, the cache's page count) are ``do_not_specialize``, so a server compiles
+each kernel once per config, at start-up.
 """
 
 import triton
@@ -51,13 +61,14 @@ def _load_q(q_ptr, stride_qb, stride_qh, b, h,
 
 
 @triton.jit
-def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len, sm_scale_log2,
-                 m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len, num_pages,
+                 sm_scale_log2, m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """One online-softmax step of q [G_PAD, BLOCK_D] against tile ``tile`` of a segment
     (tokens tile * BLOCK_N ..; those at or past ``seq_len`` are masked, so the page-table
     tail and the unused part of the last page are never read). k_head / v_head point at
-    the segment's KV head; the tile holds at least one token.
+    the segment's KV head. A token whose page id lies outside [0, num_pages) is not read:
+    its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
 
     Returns the new (m [G_PAD] running base-2 max, l [G_PAD] running sum, acc [G_PAD,
     BLOCK_D] fp32 unnormalised)."""
@@ -67,8 +78,10 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     tok = tile * BLOCK_N + offs_n
     mask_n = tok < seq_len
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
+    # One unsigned compare covers negative ids too.
+    page_ok = page.to(tl.uint32, bitcast=True) < num_pages
     slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-    kv_mask = mask_n[:, None] & mask_d[None, :]
+    kv_mask = (mask_n & page_ok)[:, None] & mask_d[None, :]
     k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
     s = dot(q, tl.trans(k)) * sm_scale_log2
     s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -83,7 +96,7 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
 
 @triton.jit
 def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  page_row_ptr, h, seq_len, tile_begin, tile_end, sm_scale_log2,
+                  page_row_ptr, h, seq_len, tile_begin, tile_end, num_pages, sm_scale_log2,
                   PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Online softmax of q against tiles [tile_begin, tile_end) of one segment; scores are
@@ -99,7 +112,7 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len,
-                                 sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+                                 num_pages, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
     return acc, m, l
 
 
@@ -146,12 +159,12 @@ def _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS: tl.constexpr, FUSED_M
     return tl.where(span_pieces <= FUSED_MERGE_PIECES, b * NUM_KV_HEADS + h, -1), span_cta, span_pieces
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "batch_size", "num_pages"])
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
     seq_lens_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size,
+    stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size, num_pages,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
@@ -226,7 +239,7 @@ def decode_stream_kernel(
         q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
         m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head, v_ptr + h.to(tl.int64) * stride_v_head,
                                  stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt, tile,
-                                 seq_len, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+                                 seq_len, num_pages, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
         # The segment's last tile in this range: store it whole, or as a cut piece.
         tile_end = tl.minimum(end - seg_lo, n_tiles)
         if tile == tile_end - 1:
@@ -415,13 +428,13 @@ def merge_stream_kernel(
                                   CHUNK_P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "num_pages"])
 def decode_units_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
     seq_lens_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr, req_tiles_per_split_ptr,
     num_units_ptr, queue_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, sm_scale_log2,
+    stride_ob, stride_oh, stride_pt, sm_scale_log2, num_pages,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -462,7 +475,7 @@ def decode_units_kernel(
         q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
         acc, m, l = _attend_tiles(
             q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, sm_scale_log2,
+            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, num_pages, sm_scale_log2,
             PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if num_splits == 1:
             _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)

@@ -11,7 +11,7 @@ import triton
 from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kernel, merge_units_kernel
 from .kv_write import kv_write_kernel
 from .launching import LOG2E, launch_or_compile
-from .plan import plan_stream_kernel
+from .plan import audit_pages_kernel, plan_stream_kernel
 
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
 # chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
@@ -80,26 +80,51 @@ def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_siz
                 EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
 
 
-def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
+def plan_block_b(batch_size: int) -> int:
+    """The plan kernel's batch chunk: the batch rounded up to a power of two, 128 to PLAN_MAX_BLOCK_B."""
+    return min(max(triton.next_power_of_2(batch_size), 128), PLAN_MAX_BLOCK_B)
+
+
+def plan_block_buckets(max_batch_size: int) -> list[int]:
+    """Every ``plan_block_b`` a batch of 1 .. max_batch_size requests can take."""
+    return sorted({plan_block_b(min(1 << k, max_batch_size)) for k in range(max_batch_size.bit_length() + 1)})
+
+
+def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors,
                        capacity: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
                        warmup: bool = False):
-    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``).
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32.
 
-    The chunk is the batch rounded up to a power of two (128 .. PLAN_MAX_BLOCK_B), so a
-    graph captured at one batch size keeps one compiled variant. Each program answers
+    The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
+    built at start-up (``Attention.warmup``). Each program answers
     ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
     would pass PLAN_COMPARE_TILE elements."""
-    block_b = min(max(triton.next_power_of_2(seq_lens.shape[0]), 128), PLAN_MAX_BLOCK_B)
+    block_b = plan_block_b(seq_lens.shape[0])
     block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
     return launch_or_compile(
-        plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup, seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars,
-        seq_lens.shape[0], capacity, num_ctas,
-        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=8 if block_b >= 1024 else 4)
+        plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
+        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, num_ctas,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c,
+        num_warps=8 if block_b >= 1024 else 4)
 
 
 def _cache_strides(q, k_cache, v_cache, out, page_table):
     return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), page_table.stride(0))
+
+
+# The page audit checks the used entries in loads of AUDIT_BLOCK_E.
+AUDIT_BLOCK_E = 256
+
+
+def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int,
+                       warmup: bool = False):
+    """seq_lens [B] int32/int64, page_table [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors
+    [1] int32 if a used entry lies outside [0, num_pages) (see ``audit_pages_kernel``)."""
+    return launch_or_compile(
+        audit_pages_kernel, (grid,), warmup,
+        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, page_table.stride(0),
+        num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]), BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
 
 
 def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
@@ -111,9 +136,10 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     return launch_or_compile(
-        decode_stream_kernel, (num_ctas,), warmup, q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req,
-        cta_start, plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E,
-        q.shape[0], **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl),
+        decode_stream_kernel, (num_ctas,), warmup,
+        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req, cta_start,
+        plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E, q.shape[0],
+        k_cache.shape[0] // page_size, **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl),
         num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
@@ -123,7 +149,8 @@ def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
     return launch_or_compile(
-        merge_stream_kernel, (num_ctas,), warmup, o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
+        merge_stream_kernel, (num_ctas,), warmup,
+        o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
         **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
@@ -134,9 +161,10 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, pa
     """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     return launch_or_compile(
-        decode_units_kernel, (grid,), warmup, q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
+        decode_units_kernel, (grid,), warmup,
+        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
         unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
-        *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E, k_cache.shape[0] // page_size,
         **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         PERSISTENT=persistent, num_warps=config.num_warps, maxnreg=config.max_registers)
@@ -146,15 +174,18 @@ def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv
     batch, num_q_heads, head_dim = out.shape
     group = num_q_heads // num_kv_heads
     return launch_or_compile(
-        merge_units_kernel, (batch * num_kv_heads, group), warmup, o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
+        merge_units_kernel, (batch * num_kv_heads, group), warmup,
+        o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, num_warps=MERGE_NUM_WARPS, **merge_units_constants(group, head_dim))
 
 
-def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, warmup: bool = False):
-    """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip)."""
+def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, warmup: bool = False):
+    """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip;
+    past the cache: skipped and flagged in errors [1] int32)."""
     num_tokens, num_kv_heads, head_dim = k_new.shape
     return launch_or_compile(
-        kv_write_kernel, (num_tokens,), warmup, k_new, v_new, k_cache, v_cache, slot_mapping,
+        kv_write_kernel, (num_tokens,), warmup,
+        k_new, v_new, k_cache, v_cache, slot_mapping, errors, k_cache.shape[0],
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

@@ -31,17 +31,24 @@ The grid is an upper bound from host ints (no sync); surplus programs exit at on
 
 Offsets that multiply a token, slot or page index by a stride are int64: a cache or
 a batch of queries can pass 2**31 elements.
+
+Memory safety does not depend on the batch data: query rows are clamped to ``q`` (rows
+``[0, total_q)``) and lengths to the page table (each sets its bit in the error flag), and
+a page id outside ``[0, num_pages)`` is read as page 0 (that request's result is then
+undefined; ``plan.audit_pages_kernel`` reports it). Per-batch integers are
+``do_not_specialize``, so a server compiles each config once, at start-up.
 """
 
 import triton
 import triton.language as tl
 
+from .error_bits import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
 from .numerics import dot, dot_acc, narrow
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size", "req_begin", "max_q_len"])
 def extend_plan_kernel(
-    cu_seqlens_ptr, seq_lens_ptr, order_ptr, sorted_start_ptr,
-    batch_size, req_begin,
+    cu_seqlens_ptr, seq_lens_ptr, order_ptr, sorted_start_ptr, error_ptr,
+    batch_size, req_begin, max_q_len,
     G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
@@ -49,7 +56,8 @@ def extend_plan_kernel(
 
     A request's key is its seq_len (LPT) or 0 (request order); requests with no
     blocks (q_len 0, or index < req_begin: rows another kernel handles) get key -1
-    and go last. Request i precedes j when key_i > key_j, or the keys tie and i < j.
+    and go last. Query lengths are clamped to [0, max_q_len] (the grid's bound) as the
+    extend kernel clamps them; one outside sets QUERY_OUT_OF_RANGE. Request i precedes j when key_i > key_j, or the keys tie and i < j.
     Program p ranks requests [p*BLOCK_I, (p+1)*BLOCK_I) by counting predecessors
     (a BLOCK_I x BLOCK_J compare tile per step), and writes
     ``order[rank_i] = i`` and ``sorted_start[rank_i] = sum of predecessors' blocks``.
@@ -61,13 +69,17 @@ def extend_plan_kernel(
     pid = tl.program_id(0)
     offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < batch_size
-    key_i, _ = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, G, BLOCK_M, LPT)
+    key_i, _, bad_i = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, max_q_len, G, BLOCK_M,
+                                   LPT)
+    if tl.sum(bad_i.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
     rank = tl.zeros([BLOCK_I], tl.int32)
     start = tl.zeros([BLOCK_I], tl.int32)
     for j0 in range(0, batch_size, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         mask_j = offs_j < batch_size
-        key_j, blocks_j = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, G, BLOCK_M, LPT)
+        key_j, blocks_j, _ = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, max_q_len, G,
+                                          BLOCK_M, LPT)
         before = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
         before = before & mask_j[None, :]
         rank += tl.sum(before.to(tl.int32), 1)
@@ -77,22 +89,34 @@ def extend_plan_kernel(
 
 
 @triton.jit
-def _request_key(cu_seqlens_ptr, seq_lens_ptr, offs, mask, req_begin,
+def _request_key(cu_seqlens_ptr, seq_lens_ptr, offs, mask, req_begin, max_q_len,
                  G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr):
-    q_begin = tl.load(cu_seqlens_ptr + offs, mask=mask, other=0).to(tl.int32)
-    q_end = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0).to(tl.int32)
-    blocks = tl.cdiv(tl.maximum(q_end - q_begin, 0) * G, BLOCK_M)
-    blocks = tl.where(offs >= req_begin, blocks, 0)
+    """(key, query blocks, whether the query range needed a clamp) of requests ``offs``."""
+    extend = offs >= req_begin
+    _, q_len, bad = _query_range(cu_seqlens_ptr, offs, mask, max_q_len)
+    blocks = tl.where(extend, tl.cdiv(q_len * G, BLOCK_M), 0)
+    bad = bad & extend
     if LPT:
         key = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int32)
     else:
         key = tl.zeros_like(blocks)
     key = tl.where(blocks > 0, key, -1)
-    return key, blocks
+    return key, blocks, bad
 
 
 @triton.jit
-def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+def _query_range(cu_seqlens_ptr, b, mask, max_q_len):
+    """(first row, q_len, needed a clamp) of requests ``b``, q_len clamped to [0, max_q_len]
+    (the plan and the extend kernel count a request's blocks from this q_len)."""
+    q_begin = tl.load(cu_seqlens_ptr + b, mask=mask, other=0)
+    raw_len = tl.load(cu_seqlens_ptr + b + 1, mask=mask, other=0) - q_begin
+    q_len = tl.minimum(tl.maximum(raw_len, 0), max_q_len)
+    bad = mask & ((q_len != raw_len) | (q_begin < 0))
+    return q_begin, q_len.to(tl.int32), bad
+
+
+@triton.jit
+def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page, stride_v_off, num_pages,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """K and V row offsets ([BLOCK_N] int64) of the tile's positions ``tile * BLOCK_N + [0,
     BLOCK_N)`` relative to its source's first position.
@@ -102,7 +126,8 @@ def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride
     powers of two, so a tile is whole pages (its in-page offsets do not depend on the
     tile: the compiler hoists them out of the loop) or part of one page (one page-table
     entry). MASKED: entries are read only where in_range (None for unmasked tiles, known
-    to be in range). Not PAGED (k_new / v_new rows): row t at ``t * stride_page``.
+    to be in range). A page id outside [0, num_pages) is read as page 0 (the plan's page
+    audit reports it). Not PAGED (k_new / v_new rows): row t at ``t * stride_page``.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGED:
@@ -116,7 +141,7 @@ def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride
             page = tl.load(page_row_ptr + entry, mask=in_range, other=0)
         else:
             page = tl.load(page_row_ptr + entry)
-        page = page.to(tl.int64)
+        page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages, page, 0).to(tl.int64)
         return page * stride_k_page + in_page * stride_k_off, page * stride_v_page + in_page * stride_v_off
     else:
         rel = (tile * BLOCK_N + offs_n).to(tl.int64)
@@ -182,7 +207,7 @@ def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale
 @triton.jit
 def _attend_tiles(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-    page_row_ptr, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale,
+    page_row_ptr, num_pages, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -202,7 +227,7 @@ def _attend_tiles(
             tok = None
             in_range = None
         k_off, v_off = _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page,
-                                  stride_v_off, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
+                                  stride_v_off, num_pages, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
         k = _load_rows(k_base, k_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
         s = dot(q, tl.trans(k))
         p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, MASKED,
@@ -227,7 +252,7 @@ def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
 @triton.jit
 def _attend_source(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-    page_row_ptr, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale,
+    page_row_ptr, num_pages, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -236,22 +261,26 @@ def _attend_source(
     masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``)."""
     t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, row_pos, tok_base, t0, t1, kv_end, window, qk_scale, cap_scale, PAGED,
-                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                              page_row_ptr, num_pages, row_pos, tok_base, t0, t1, kv_end, window, qk_scale,
+                              cap_scale, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              NUM_STAGES)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, row_pos, tok_base, t1, t2, kv_end, window, qk_scale, cap_scale, PAGED,
-                              PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                              page_row_ptr, num_pages, row_pos, tok_base, t1, t2, kv_end, window, qk_scale,
+                              cap_scale, PAGED, PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              NUM_STAGES)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, row_pos, tok_base, t2, t3, kv_end, window, qk_scale, cap_scale, PAGED,
-                              PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                              page_row_ptr, num_pages, row_pos, tok_base, t2, t3, kv_end, window, qk_scale,
+                              cap_scale, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              NUM_STAGES)
     return acc, m, l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size", "req_begin", "capacity", "window", "total_q", "max_q_len", "num_pages",
+                            "stride_pt"])
 def extend_kernel(
     q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, out_ptr,
-    cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr,
-    batch_size, req_begin, capacity, window, qk_scale, cap_scale,
+    cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr, error_ptr,
+    batch_size, req_begin, capacity, window, total_q, max_q_len, num_pages, qk_scale, cap_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_page, stride_k_off, stride_k_head, stride_v_page, stride_v_off, stride_v_head,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_pt,
@@ -265,7 +294,11 @@ def extend_kernel(
     q [total_q, Hq, D], out [total_q, Hq, D] (row stride, head stride; unit stride in D);
     caches addressed as page * stride_page + offset * stride_off + head * stride_head;
     k_new/v_new [total_q, Hkv, D] (HAS_NEW); page_table [B, max_pages] int32 (row stride
-    stride_pt); capacity = max_pages * PAGE_SIZE bounds every cache position read.
+    stride_pt); capacity = max_pages * PAGE_SIZE bounds every cache position read; num_pages:
+    pages in the caches. A request's q_len is clamped to [0, max_q_len] (as the plan counts
+    its blocks) and its rows to [0, total_q) (QUERY_OUT_OF_RANGE); seq_len to [q_len,
+    capacity (+ q_len with HAS_NEW)], so every query has a position and every cache position
+    read lies in the page table (LENGTH_OUT_OF_RANGE).
     """
     pid = tl.program_id(0)
     h = pid % NUM_KV_HEADS
@@ -280,11 +313,23 @@ def extend_kernel(
     r = count - 1
     b = tl.load(order_ptr + r)
     local = x - tl.load(sorted_start_ptr + r)
-    q_begin = tl.load(cu_seqlens_ptr + b).to(tl.int32)
-    q_len = tl.load(cu_seqlens_ptr + b + 1).to(tl.int32) - q_begin
-    n_blocks = tl.where(b >= req_begin, tl.cdiv(tl.maximum(q_len, 0) * G, BLOCK_M), 0)
-    if local < n_blocks:
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # The plan kernel's clamp, so both count the same blocks; then the rows kept inside q.
+    q_first, q_len, _ = _query_range(cu_seqlens_ptr, b, b < batch_size, max_q_len)
+    n_blocks = tl.where(b >= req_begin, tl.cdiv(q_len * G, BLOCK_M), 0)
+    q_begin = tl.minimum(tl.maximum(q_first, 0), total_q).to(tl.int32)
+    rows_inside = tl.minimum(q_len, total_q - q_begin)
+    if (local == 0) & (h == 0) & (rows_inside < q_len):
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+    q_len = rows_inside
+    if (local < n_blocks) & (q_len > 0):
+        raw_len = tl.load(seq_lens_ptr + b)
+        if HAS_NEW:
+            max_len = capacity + q_len
+        else:
+            max_len = capacity
+        seq_len = tl.minimum(tl.maximum(raw_len, q_len), tl.maximum(max_len, q_len)).to(tl.int32)
+        if (raw_len < q_len) | (raw_len > max_len):
+            tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
         prefix = seq_len - q_len
         block = n_blocks - 1 - local  # heaviest block first
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -331,17 +376,17 @@ def extend_kernel(
         v_head = v_ptr + h.to(tl.int64) * stride_v_head
         c_hi = tl.minimum(kv_hi, cache_end)
         acc, m, l = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
-                                   stride_v_off, page_row, row_pos, 0, kv_lo, c_hi, full_lo, full_hi, cache_end,
-                                   window, qk_scale, cap_scale, True, PAGE_SIZE, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
-                                   BLOCK_N, NUM_STAGES)
+                                   stride_v_off, page_row, num_pages, row_pos, 0, kv_lo, c_hi, full_lo,
+                                   full_hi, cache_end, window, qk_scale, cap_scale, True, PAGE_SIZE, WINDOW, SOFTCAP,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if HAS_NEW:
             # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new.
             kn = k_new_ptr + q_begin.to(tl.int64) * stride_knt + h.to(tl.int64) * stride_knh
             vn = v_new_ptr + q_begin.to(tl.int64) * stride_vnt + h.to(tl.int64) * stride_vnh
-            acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, row_pos, prefix,
-                                       tl.maximum(kv_lo - prefix, 0), kv_hi - prefix, full_lo - prefix,
-                                       full_hi - prefix, seq_len, window, qk_scale, cap_scale, False, PAGE_SIZE,
-                                       WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+            acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, num_pages,
+                                       row_pos, prefix, tl.maximum(kv_lo - prefix, 0), kv_hi - prefix,
+                                       full_lo - prefix, full_hi - prefix, seq_len, window, qk_scale, cap_scale, False,
+                                       PAGE_SIZE, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
 
         # A row that saw no key (only possible for inconsistent lengths) is written as zeros.
         safe_l = tl.where(l > 0, l, 1.0)

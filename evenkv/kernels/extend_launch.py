@@ -32,12 +32,14 @@ def num_query_blocks_bound(total_q: int, batch_size: int, max_q_len: int, group_
     return max(0, min(by_total, by_max))
 
 
-def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, *, req_begin: int, group_size: int,
-                       block_m: int, lpt: bool, warmup: bool = False):
-    """cu_seqlens_q [B+1], seq_lens [B] -> order [B] int32, sorted_start [B] int32 (see the kernel)."""
+def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, req_begin: int, max_q_len: int,
+                       group_size: int, block_m: int, lpt: bool, warmup: bool = False):
+    """cu_seqlens_q [B+1], seq_lens [B] -> order [B] int32, sorted_start [B] int32 (see the
+    kernel); errors [1] int32."""
     batch = seq_lens.shape[0]
     return launch_or_compile(
-        extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup, cu_seqlens_q, seq_lens, order, sorted_start, batch, req_begin,
+        extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup,
+        cu_seqlens_q, seq_lens, order, sorted_start, errors, batch, req_begin, max_q_len,
         G=group_size, BLOCK_M=block_m, LPT=lpt, BLOCK_I=PLAN_BLOCK_I, BLOCK_J=PLAN_BLOCK_J, num_warps=4)
 
 
@@ -49,13 +51,13 @@ def cache_strides(cache, page_size: int) -> tuple[int, int, int]:
 
 
 def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
-                  *, num_programs_bound: int, req_begin: int, page_size: int, sm_scale: float, causal: bool,
-                  window: int | None, logit_cap: float | None, block_m: int, block_n: int, num_warps: int,
-                  num_stages: int, warmup: bool = False):
+                  errors, *, num_programs_bound: int, req_begin: int, max_q_len: int, page_size: int, sm_scale: float,
+                  causal: bool, window: int | None, logit_cap: float | None, block_m: int, block_n: int,
+                  num_warps: int, num_stages: int, warmup: bool = False):
     """One program per (query block, KV head) of the plan; ``num_programs_bound`` query blocks at most.
 
     q/out [total_q, Hq, D]; k_cache/v_cache as in ``cache_strides``; k_new/v_new
-    [total_q, Hkv, D] or None; page_table [B, max_pages] int32.
+    [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32.
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[-2]
@@ -70,9 +72,12 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
     has_new = k_new is not None
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unused pointers when not HAS_NEW
     ks, vs = cache_strides(k_cache, page_size), cache_strides(v_cache, page_size)
+    num_pages = k_cache.shape[0] // page_size if k_cache.dim() == 3 else k_cache.shape[0]
     return launch_or_compile(
-        extend_kernel, (max(grid, 1),), warmup, q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
-        batch, req_begin, page_table.shape[1] * page_size, window or 0, qk_scale, cap_scale,
+        extend_kernel, (max(grid, 1),), warmup,
+        q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start, errors,
+        batch, req_begin, page_table.shape[1] * page_size, window or 0, q.shape[0], max_q_len, num_pages, qk_scale,
+        cap_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), page_table.stride(0),

@@ -1,18 +1,20 @@
 """Triton kernel that scatters new K/V rows into a paged cache.
 
 ``k_cache[slot_mapping[i], h, :] = k_new[i, h, :]`` (same for V) for every token i
-whose slot is >= 0; a negative slot (a padded token) is skipped.
+whose slot is >= 0; a negative slot (a padded token) is skipped, and so is a slot past the
+cache (``num_slots``), which sets SLOT_OUT_OF_RANGE in the error flag.
 """
 
 import triton
 import triton.language as tl
 
+from .error_bits import SLOT_OUT_OF_RANGE
 from .numerics import narrow
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def kv_write_kernel(
-    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, error_ptr, num_slots,
     stride_kn_tok, stride_kn_head, stride_vn_tok, stride_vn_head,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -21,7 +23,9 @@ def kv_write_kernel(
     """One program per new token; writes its [NUM_KV_HEADS, HEAD_DIM] K and V rows."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot >= 0:
+    if slot >= num_slots:
+        tl.atomic_or(error_ptr, SLOT_OUT_OF_RANGE, sem="relaxed")
+    if (slot >= 0) & (slot < num_slots):
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)

@@ -1,4 +1,7 @@
-"""What every launcher shares: the base-2 softmax scale and launch-or-compile."""
+"""What every launcher shares: the base-2 softmax scale, launch-or-compile, parallel builds."""
+
+import concurrent.futures
+import contextlib
 
 # Softmax runs in base 2 in every kernel: scores are scaled by sm_scale * log2(e), so
 # exp2 replaces exp.
@@ -12,3 +15,21 @@ def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
     if warmup:
         return kernel.warmup(*args, grid=grid, **kwargs)
     return kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def parallel_compiles(workers: int = 8):
+    """Within the block, kernels compiled by ``launch_or_compile(..., warmup=True)`` build on
+    ``workers`` threads (Triton's async-compile mode; the builds wait in ptxas and LLVM, not in
+    Python), and all are done when the block exits. Nested use and Tritons without the mode
+    compile one by one."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+    except ImportError:  # Triton < 3.5
+        yield
+        return
+    if active_mode.get() is not None:
+        yield
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
+        yield

@@ -3,7 +3,8 @@
 From device ``seq_lens`` it writes, with no host sync and into preallocated buffers:
 
 * ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
-  reach), so the decode kernel can never index past a page-table row;
+  reach), so the decode kernel can never index past a page-table row; a length that
+  needed the clamp sets LENGTH_OUT_OF_RANGE in the error flag;
 * ``active_req [B, 2] int32``  the non-empty requests in batch order, each as (batch
   index, clamped length): the decode kernel walks this list, so it never steps over empty
   requests one by one, and reads a request's index and length in two independent loads
@@ -34,20 +35,22 @@ count of ended ones, and its length and cost start are read off the same compare
 import triton
 import triton.language as tl
 
+from .error_bits import LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE
+
 
 @triton.jit
 def _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     mask = offs < batch_size
     # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
-    seq_len = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
-    seq_len = tl.minimum(tl.maximum(seq_len, 0), capacity).to(tl.int32)
+    raw = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
+    seq_len = tl.minimum(tl.maximum(raw, 0), capacity).to(tl.int32)
     cost = tl.cdiv(seq_len, BLOCK_N) * NUM_KV_HEADS
-    return seq_len, cost, mask
+    return seq_len, cost, mask, tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size", "capacity"])
 def plan_stream_kernel(
-    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
+    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
     batch_size, capacity, num_ctas,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -55,10 +58,13 @@ def plan_stream_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
     max_len = tl.zeros([], tl.int32)
+    clamped = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        seq_len, cost, _ = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
+        seq_len, cost, _, bad = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, NUM_KV_HEADS,
+                                              BLOCK_N)
         total += tl.sum(cost, 0)
         max_len = tl.maximum(max_len, tl.max(seq_len, 0))
+        clamped += bad
     piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
 
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -72,7 +78,7 @@ def plan_stream_kernel(
     writer = pid == 0
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        seq_len, cost, mask = _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
+        seq_len, cost, mask, _ = _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
         cost_end = tl.cumsum(cost, 0) + carry
         cost_start = cost_end - cost
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
@@ -96,8 +102,64 @@ def plan_stream_kernel(
     tl.store(cta_start_ptr + 4 * offs_c + 1, first_req, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 2, first_len, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
+    if writer & (clamped > 0):
+        tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
     if writer:
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
         tl.store(plan_scalars_ptr + 3, tl.cdiv(max_len, BLOCK_N))
+
+
+@triton.jit(do_not_specialize=["batch_size", "capacity", "stride_pt", "num_pages"])
+def audit_pages_kernel(
+    seq_lens_ptr, page_table_ptr, error_ptr, batch_size, capacity, stride_pt, num_pages,
+    PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages).
+
+    The attention kernels never dereference such an id (decode loads zeros, extend reads
+    page 0 in its place); this kernel, run once per plan, is what reports it, so their tile
+    loops carry nothing for the check. The used entries of all requests (ceil(len /
+    PAGE_SIZE) each, lengths clamped to [0, capacity]) lie end to end; program p of P checks
+    entries [p * E, (p + 1) * E), E = ceil(total / P): it finds its first request by counting
+    (as ``plan_stream_kernel`` does), then walks requests, BLOCK_E entries per load.
+    """
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    total = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        lens = tl.load(seq_lens_ptr + start + offs_b, mask=start + offs_b < batch_size, other=0)
+        total += tl.sum(tl.cdiv(tl.minimum(tl.maximum(lens, 0), capacity).to(tl.int32), PAGE_SIZE), 0)
+    per = tl.cdiv(total, tl.num_programs(0))
+    lo = pid * per
+    hi = tl.minimum(lo + per, total)
+    # The first request whose entries end after lo, and where its entries start.
+    req = tl.zeros([], tl.int32)
+    req_lo = tl.zeros([], tl.int32)
+    carry = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        offs = start + offs_b
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < batch_size, other=0)
+        entries = tl.cdiv(tl.minimum(tl.maximum(lens, 0), capacity).to(tl.int32), PAGE_SIZE)
+        ends = tl.cumsum(entries, 0) + carry
+        ended = (ends <= lo) & (offs < batch_size)
+        req += tl.sum(ended.to(tl.int32), 0)
+        req_lo = tl.maximum(req_lo, tl.max(tl.where(ended, ends, 0), 0))
+        carry += tl.sum(entries, 0)
+    offs_e = tl.arange(0, BLOCK_E)
+    bad = tl.zeros([BLOCK_E], tl.int1)
+    pos = lo
+    while (pos < hi) & (req < batch_size):
+        n = tl.cdiv(tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), capacity).to(tl.int32), PAGE_SIZE)
+        row = page_table_ptr + req.to(tl.int64) * stride_pt
+        stop = tl.minimum(hi, req_lo + n)
+        for e in range(pos - req_lo, stop - req_lo, BLOCK_E):
+            entry = e + offs_e
+            page = tl.load(row + entry, mask=entry < stop - req_lo, other=0)
+            bad = bad | (page.to(tl.uint32, bitcast=True) >= num_pages)
+        pos = stop
+        req_lo += n
+        req += 1
+    if tl.max(bad.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, PAGE_OUT_OF_RANGE, sem="relaxed")

@@ -1,0 +1,149 @@
+"""Hostile batch data: page ids, slots and lengths that point outside the caches.
+
+Without debug mode nothing is checked on the host, so these reach the kernels. Every
+kernel must stay inside its tensors (under the interpreter an out-of-bounds access
+crashes the process), the requests with good data must still be right, and the device's
+error flag must name what was wrong (``evenkv.errors``)."""
+
+import pytest
+import torch
+
+import evenkv
+from evenkv import errors
+from evenkv.kernels.reference import decode_reference, extend_reference
+from helpers import assert_close_to_reference, make_paged_batch
+
+HQ, HKV, D, PAGE = 8, 2, 64, 16
+LENS = [90, 40, 33, 7]
+
+
+@pytest.fixture(autouse=True)
+def clean_flag(device):
+    errors.error_flag(device).zero_()
+    yield
+    errors.error_flag(device).zero_()
+
+
+def _flagged(device) -> set[str]:
+    return set(errors.peek(device))
+
+
+@pytest.mark.parametrize("page_id", [999, -3, 2**31 - 1])
+@pytest.mark.parametrize("policy,deterministic", [("balanced", False), ("fa3", False), ("none", False),
+                                                  ("balanced", True)])
+def test_decode_bad_page_id(device, policy, deterministic, page_id):
+    q, k, v, lens, pt = make_paged_batch(LENS, HQ, HKV, D, PAGE, torch.float16, device)
+    bad = pt.clone()
+    bad[0, 2] = page_id  # a used entry of request 0 (90 tokens: pages 0..5)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], policy,
+                                  deterministic=deterministic, num_ctas=3)
+    out = attn.run(attn.plan(lens, bad), q, k, v)
+    assert torch.isfinite(out).all()
+    good = torch.arange(1, 4)
+    assert_close_to_reference(out[good], q[good], k, v, lens[good], pt[good], PAGE)
+    assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE]}
+    with pytest.raises(errors.EvenKVError, match="page_table"):
+        evenkv.check_errors(device)
+    evenkv.check_errors(device)  # cleared
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+def test_decode_lengths_are_clamped(device, policy):
+    """Negative lengths count as 0 (zeros out), lengths past the page table are clamped to it."""
+    q, k, v, lens, pt = make_paged_batch(LENS, HQ, HKV, D, PAGE, torch.float16, device, garbage_tail=False)
+    capacity = pt.shape[1] * PAGE
+    hostile = torch.tensor([-5, 10**9, 33, 7], dtype=torch.int64, device=device)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], policy, num_ctas=3)
+    out = attn.run(attn.plan(hostile, pt), q, k, v)
+    assert torch.all(out[0] == 0)
+    clamped = torch.tensor([0, capacity, 33, 7], dtype=torch.int32, device=device)
+    assert_close_to_reference(out[1:], q[1:], k, v, clamped[1:], pt[1:], PAGE)
+    assert errors.REASONS[errors.LENGTH_OUT_OF_RANGE] in _flagged(device)
+
+
+def test_write_kv_slot_past_the_cache_is_skipped(device):
+    kc = torch.zeros(32, HKV, D, dtype=torch.float16, device=device)
+    vc = torch.zeros_like(kc)
+    new = torch.ones(3, HKV, D, dtype=torch.float16, device=device)
+    evenkv.write_kv(kc, vc, new, new, torch.tensor([10**6, 5, -1], device=device))
+    assert torch.all(kc[5] == 1) and kc.sum() == HKV * D and vc.sum() == HKV * D
+    assert _flagged(device) == {errors.REASONS[errors.SLOT_OUT_OF_RANGE]}
+
+
+def _extend_batch(device, new_layout):
+    q_lens, prefixes = [5, 9, 3], [40, 0, 17]
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    _, k, v, _, pt = make_paged_batch(seq, HQ, HKV, D, PAGE, torch.float16, device, seed=4)
+    total = sum(q_lens)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(total, HQ, D, generator=gen).half().to(device)
+    kn = torch.randn(total, HKV, D, generator=gen).half().to(device) if new_layout else None
+    vn = torch.randn(total, HKV, D, generator=gen).half().to(device) if new_layout else None
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=device)
+    return dict(q=q, k=k, v=v, kn=kn, vn=vn, cu=cu, seq=torch.tensor(seq, dtype=torch.int32, device=device), pt=pt)
+
+
+@pytest.mark.parametrize("new_layout", [False, True])
+def test_extend_hostile_metadata(device, new_layout):
+    """A bad page id, a seq_len below q_len, a query range past q and one longer than
+    max_q_len: the other request is right, nothing outside q or the caches is touched."""
+    b = _extend_batch(device, new_layout)
+    kw = dict(page_size=PAGE, k_new=b["kn"], v_new=b["vn"])
+    want = extend_reference(b["q"], b["k"], b["v"], b["cu"], b["seq"], b["pt"], PAGE, k_new=b["kn"], v_new=b["vn"])
+    pt, seq, cu = b["pt"].clone(), b["seq"].clone(), b["cu"].clone()
+    pt[0, 1] = -7           # request 0: a bad page in its prefix
+    seq[2] = 1              # request 2: seq_len < q_len
+    out = torch.full_like(b["q"], float("nan"))
+    evenkv.extend(b["q"], b["k"], b["v"], cu_seqlens_q=cu, seq_lens=seq, page_table=pt, max_q_len=9, out=out, **kw)
+    torch.testing.assert_close(out[5:14].float(), want[5:14], atol=2e-2, rtol=0)
+    assert torch.isfinite(out[:5]).all() and torch.isfinite(out[14:]).all()
+    assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE],
+                                errors.REASONS[errors.LENGTH_OUT_OF_RANGE]}
+    errors.error_flag(device).zero_()
+    cu = b["cu"].clone()
+    cu[3] = 10**6           # request 2's rows run past q
+    out = torch.full_like(b["q"], float("nan"))
+    evenkv.extend(b["q"], b["k"], b["v"], cu_seqlens_q=cu, seq_lens=b["seq"], page_table=b["pt"], max_q_len=9,
+                  out=out, **kw)
+    torch.testing.assert_close(out[:14].float(), want[:14], atol=2e-2, rtol=0)
+    assert errors.REASONS[errors.QUERY_OUT_OF_RANGE] in _flagged(device)
+
+
+def test_attention_audits_once_per_plan(device):
+    """evenkv.Attention flags a bad page of a decode row and of an extend row, once per plan."""
+    b = _extend_batch(device, False)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, b["pt"].shape[1])
+    cu = torch.tensor([0, 1, 10, 13], dtype=torch.int32, device=device)
+    q = b["q"][:13]
+    plan = attn.plan(cu, b["seq"], b["pt"], num_decodes=1, max_q_len=9)
+    attn.run(plan, q, b["k"], b["v"])
+    assert not _flagged(device)
+    pt = b["pt"].clone()
+    pt[2, 0] = 10**7
+    plan = attn.plan(cu, b["seq"], pt, num_decodes=1, max_q_len=9)
+    out = attn.run(plan, q, b["k"], b["v"])
+    assert torch.isfinite(out).all() and _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE]}
+
+
+def test_error_watcher_reports_without_waiting(device, caplog):
+    watcher = errors.ErrorWatcher(device)
+    assert watcher.poll() == []
+    errors.error_flag(device).fill_(errors.SLOT_OUT_OF_RANGE)
+    found = []
+    for _ in range(50):  # on a GPU the first polls may find the copy not back yet
+        found = watcher.poll()
+        if found:
+            break
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    assert found == [errors.REASONS[errors.SLOT_OUT_OF_RANGE]]
+    assert "slot_mapping" in caplog.text and int(errors.error_flag(device)) == 0
+
+
+def test_reference_of_clamped_decode_matches(device):
+    """The clamp rule the kernels follow, on the reference: a length past the page table reads
+    the table's full capacity."""
+    q, k, v, lens, pt = make_paged_batch([16, 5], HQ, HKV, D, PAGE, torch.float16, device, garbage_tail=False)
+    full = torch.tensor([pt.shape[1] * PAGE, 5], dtype=torch.int32, device=device)
+    out = evenkv.decode(q, k, v, torch.tensor([10**6, 5], device=device), pt, PAGE)
+    torch.testing.assert_close(out.float(), decode_reference(q, k, v, full, pt, PAGE), atol=3e-3, rtol=0)

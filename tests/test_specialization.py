@@ -1,0 +1,143 @@
+"""No kernel compiles after start-up: every launch a stream of random batches makes has the
+specialization key of a launch ``warmup`` made.
+
+Triton compiles a kernel once per key: the constexpr values, the launch options, the
+dtypes of the tensors and whether their addresses are 16-byte aligned, and for each integer
+argument not marked ``do_not_specialize`` whether it is 1 and whether it is a multiple of
+16. The launchers are recorded here instead of run (nothing executes), so the test is
+fast on any machine; ``tests/gpu/test_compile_count.py`` counts real compilations on a GPU.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+import evenkv
+from evenkv.decode import warmup_write_kv
+from evenkv.kernels import decode_launch, extend_launch
+
+
+def specialization_key(kernel, args, kwargs) -> tuple:
+    """What Triton keys a compiled variant of ``kernel`` on, for this launch."""
+    fn = getattr(kernel, "fn", kernel)
+    options = getattr(kernel, "kwargs", None) or {}
+    dont = set(options.get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or ())
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    parts = []
+    for name, param in params.items():
+        value = bound.get(name, param.default)
+        if "constexpr" in str(param.annotation):
+            parts.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or value is None:
+            parts.append((name, value))
+        elif isinstance(value, int):
+            width = "i32" if -2**31 <= value < 2**31 else "i64"
+            parts.append((name, width) if name in dont else (name, width, value == 1, value % 16 == 0))
+        elif isinstance(value, float):
+            parts.append((name, "fp32"))
+        else:
+            raise TypeError(f"{name}: {type(value).__name__}")
+    launch_options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return fn.__name__, tuple(parts), launch_options
+
+
+class Recorder:
+    """Stands in for ``launch_or_compile``: records each launch's key, runs nothing."""
+
+    def __init__(self):
+        self.compiled, self.launched = set(), []
+
+    def __call__(self, kernel, grid, warmup, *args, **kwargs):
+        key = specialization_key(kernel, args, kwargs)
+        (self.compiled.add(key) if warmup else self.launched.append(key))
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(decode_launch, "launch_or_compile", rec)
+    monkeypatch.setattr(extend_launch, "launch_or_compile", rec)
+    return rec
+
+
+def _assert_covered(rec: Recorder):
+    missing = {key for key in rec.launched if key not in rec.compiled}
+    assert rec.launched and not missing, f"{len(missing)} launch keys not compiled at warm-up: {sorted(missing)[:3]}"
+
+
+HQ, HKV, D = 8, 2, 128
+
+
+def _tensors(device, page_size, num_pages=400, tokens=600, packed=True):
+    """q [T, Hq, D] as a view of a packed qkv row (engine-like strides), caches as vLLM's K|V
+    halves ([slots, Hkv, 2D] views) or plain [slots, Hkv, D], k_new/v_new views of the qkv row."""
+    qkv = torch.zeros(tokens, (HQ + 2 * HKV) * D, dtype=torch.bfloat16, device=device)
+    q = qkv[:, :HQ * D].view(tokens, HQ, D)
+    k_new = qkv[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D)
+    v_new = qkv[:, (HQ + HKV) * D:].view(tokens, HKV, D)
+    if packed:
+        kv = torch.zeros(num_pages * page_size, HKV, 2 * D, dtype=torch.bfloat16, device=device)
+        k_cache, v_cache = kv[..., :D], kv[..., D:]
+    else:
+        k_cache = torch.zeros(num_pages * page_size, HKV, D, dtype=torch.bfloat16, device=device)
+        v_cache = torch.zeros_like(k_cache)
+    return q, k_new, v_new, k_cache, v_cache
+
+
+@pytest.mark.parametrize("page_size,new_tokens", [(16, False), (1, True)], ids=["vllm-like", "sglang-like"])
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size, new_tokens, policy):
+    """Attention (both engines' entry): batch sizes across the plan kernel's chunk buckets and
+    the many-segments threshold, page tables of any width and row stride, any query lengths,
+    any number of decode rows, int32 and int64 lengths."""
+    max_batch, width = 300, 64
+    q, k_new, v_new, k_cache, v_cache = _tensors(device, page_size, packed=not new_tokens)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width, policy)
+    kn, vn = (k_new, v_new) if new_tokens else (None, None)
+    attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out)
+    gen = torch.Generator().manual_seed(0)
+    page_tables = torch.zeros(max_batch, width + 7, dtype=torch.int32, device=device)
+    for step in range(40):
+        batch = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
+        cols = int(torch.randint(1, width + 1, (1,), generator=gen))
+        decodes = int(torch.randint(0, batch + 1, (1,), generator=gen)) if step % 3 else batch
+        q_lens = [1] * decodes + torch.randint(1, 9, (batch - decodes,), generator=gen).tolist()
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        dtype = torch.int64 if step % 2 else torch.int32
+        seq_lens = torch.randint(1, cols * page_size + 1, (batch,), generator=gen).to(dtype).to(device)
+        table = page_tables[:batch, :cols] if step % 4 else torch.zeros(batch, cols, dtype=torch.int32,
+                                                                           device=device)
+        plan = attn.plan(cu, seq_lens, table, num_decodes=decodes, max_q_len=max(q_lens))
+        total = int(cu[-1])
+        attn.run(plan, q[:total], k_cache, v_cache, out=out[:total],
+                 k_new=kn[:total] if new_tokens else None, v_new=vn[:total] if new_tokens else None,
+                 sm_scale=0.1 + step / 100)
+    _assert_covered(recorder)
+
+
+def test_write_kv_compiles_nothing_after_warmup(device, recorder):
+    q, k_new, v_new, k_cache, v_cache = _tensors(device, 16)
+    warmup_write_kv(k_cache, v_cache, k_new, v_new)
+    for n, dtype in ((1, torch.int64), (37, torch.int32), (600, torch.int64)):
+        evenkv.write_kv(k_cache, v_cache, k_new[:n], v_new[:n], torch.zeros(n, dtype=dtype, device=device))
+    _assert_covered(recorder)
+
+
+def test_the_check_sees_a_new_specialization(device, recorder):
+    """The check is not vacuous: warmed up for int32 lengths only, a plan on int64 lengths is
+    a launch warm-up did not compile."""
+    q, k_new, v_new, k_cache, v_cache = _tensors(device, 16)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 8)
+    attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+    table = torch.zeros(2, 8, dtype=torch.int32, device=device)
+    attn.run(attn.plan(torch.ones(2, dtype=torch.int32, device=device), table), q[:2], k_cache, v_cache)
+    _assert_covered(recorder)
+    attn.run(attn.plan(torch.ones(2, dtype=torch.int64, device=device), table), q[:2], k_cache, v_cache)
+    with pytest.raises(AssertionError, match="not compiled at warm-up"):
+        _assert_covered(recorder)
