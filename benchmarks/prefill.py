@@ -10,7 +10,10 @@ same cached prefix: prompts 512 / 2048 / 8192, prefixes 0 / 8192 / 32768, batche
 order of work matters (evenkv ``lpt`` vs ``ordered``).
 
 Implementations (``--impls``; a missing peer is skipped with the reason printed):
-  evenkv-lpt, evenkv-ordered   evenkv.extend's kernel through a reused ExtendPlan (``ordered``
+  evenkv-engine                evenkv.Attention as the engines run it: extend rows on the
+                               engine's prefill kernel (vLLM's FA3 here) where one is found
+                               (``config`` says which), else on evenkv's Triton kernel
+  evenkv-lpt, evenkv-ordered   evenkv.extend's Triton kernel through a reused ExtendPlan (``ordered``
                                runs on skewed points only: on uniform ones it is the same launch)
   fa3                          vllm.vllm_flash_attn.flash_attn_varlen_func(..., block_table,
                                fa_version=3) with get_scheduler_metadata precomputed
@@ -210,6 +213,31 @@ class EvenKV(Impl):
         return f"{c.name} m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages} {self.schedule}"
 
 
+class EvenKVEngine(Impl):
+    """evenkv.Attention planned once per batch, with vLLM's FlashAttention as its prefill kernel."""
+
+    family, variant = "evenkv", "engine"
+
+    def prepare(self, batch):
+        from evenkv.attention import Attention
+        from evenkv.integrations.prefill import vllm_flash_attention
+
+        self.batch = b = batch
+        hq, d = b.q.shape[1:]
+        hkv = b.k_pages.shape[2]
+        self.attn = Attention(hq, hkv, d, b.page_size, b.q.dtype, b.q.device, b.point.batch, b.page_table.shape[1],
+                              sm_scale=b.sm_scale, prefill_kernel=vllm_flash_attention(b.q.device))
+        self.plan = self.attn.plan(b.cu_seqlens_q, b.seq_lens, b.page_table, num_decodes=0, max_q_len=b.max_q_len,
+                                   max_seq_len=b.max_seq_len)
+
+    def run(self):
+        b = self.batch
+        self.attn.run(self.plan, b.q, b.k_pages, b.v_pages, out=b.out)
+
+    def config(self):
+        return self.attn.prefill_reason
+
+
 class FA3(Impl):
     family, variant = "fa3", "varlen"
 
@@ -349,7 +377,9 @@ def make_impls(args, log):
     impls, skipped = [], []
     for name in args.impls:
         try:
-            if name == "evenkv-lpt":
+            if name == "evenkv-engine":
+                impls.append(EvenKVEngine())
+            elif name == "evenkv-lpt":
                 impls.append(EvenKV("lpt", arch=args.arch))
             elif name == "evenkv-ordered":
                 impls.append(EvenKV("ordered", arch=args.arch))
@@ -519,7 +549,8 @@ def build_parser():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--impls", type=lambda s: tuple(x for x in s.split(",") if x),
-                    default=("evenkv-lpt", "evenkv-ordered", "fa3", "flashinfer-fa2", "flashinfer-auto"))
+                    default=("evenkv-engine", "evenkv-lpt", "evenkv-ordered", "fa3", "flashinfer-fa2",
+                             "flashinfer-auto"))
     ap.add_argument("--arch", choices=("sm80", "sm90"), default=None, help="evenkv config table (default: probe)")
     ap.add_argument("--sweep-configs", action="store_true",
                     help="time evenkv with each candidate config (evenkv.configs.EXTEND_CONFIG_CANDIDATES) instead")

@@ -15,7 +15,9 @@ for any lengths within the captured values. Under graphs pass the same persisten
 in place.
 """
 
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,11 +27,57 @@ from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
                      check_tensor, output_like, resolve_device, resolve_sm_scale)
-from .configs import ExtendConfig, extend_config, extend_configs, resolve_arch, sm_count
+from .configs import ExtendConfig, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode import POLICIES, DecodeAttention, DecodePlan, debug_enabled
 from .errors import error_flag
 from .extend import (SCHEDULES, ExtendPlan, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
                      normalize_logit_cap, normalize_window, plan_extend, run_extend)
+
+
+class PrefillKernel(Protocol):
+    """An engine's own paged prefill kernel (FA3 on Hopper, say), which ``Attention`` runs for
+    the extend rows of a batch instead of evenkv's Triton extend kernel (``prefill_kernel=``).
+
+    Called once per layer with the batch's extend rows only, causal, every position read
+    from the cache (both engines write the new tokens' K/V before attention):
+    q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] (any strides, unit
+    stride in D); cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV length
+    including the new tokens); page_table [E, max_pages] int32; max_q_len, max_seq_len:
+    host bounds; sm_scale: the layer's softmax scale. Writes out rows [0, cu_seqlens_q[E]).
+    """
+
+    name: str
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
+                 cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
+                 max_seq_len: int, sm_scale: float) -> None: ...
+
+
+PREFILL_ENV = "EVENKV_PREFILL"
+PREFILL_CHOICES = ("auto", "triton")
+
+
+def engine_prefill_wanted() -> bool:
+    """Whether the engine adapters should hand extend rows to the engine's own prefill kernel:
+    ``EVENKV_PREFILL=auto`` (default) yes where there is one, ``triton`` never."""
+    value = os.environ.get(PREFILL_ENV, "auto") or "auto"
+    if value not in PREFILL_CHOICES:
+        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_CHOICES}, got {value!r}")
+    return value == "auto"
+
+
+@dataclass(frozen=True, eq=False)
+class DelegatedExtend:
+    """The extend rows [first_row, ...) of a batch, as the prefill kernel takes them:
+    cu_seqlens_q [E + 1] int32 from 0, seq_lens [E] int32, page_table [E, max_pages] int32,
+    host bounds max_q_len and max_seq_len."""
+
+    first_row: int
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    max_q_len: int
+    max_seq_len: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,7 +88,8 @@ class AttentionPlan:
     decode rows. decode: their plan on the decode kernels, or None (no decode rows, or
     ``decode_via_extend``: a sliding window or soft-cap, which the decode kernels do not
     apply, sends them to the extend kernel). extend: the extend kernel's plan for the
-    other rows (None when every request is a decode row on the decode path).
+    other rows, or delegated: those rows for the engine's prefill kernel (both None when
+    every request is a decode row on the decode path).
     seq_lens [B], page_table [B, max_pages]: the caller's tensors.
     Valid until the ``Attention`` that made it plans again.
     """
@@ -49,6 +98,7 @@ class AttentionPlan:
     num_decodes: int
     decode: DecodePlan | None
     extend: ExtendPlan | None
+    delegated: DelegatedExtend | None
     seq_lens: torch.Tensor
     page_table: torch.Tensor
 
@@ -64,6 +114,11 @@ class Attention:
         sliding_window, logit_cap: as ``evenkv.extend`` (None/0 = off). With either set,
             decode rows also run in the extend kernel (q_len 1 is a valid extend row).
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
+        prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
+            None for evenkv's Triton extend kernel. Layers with a sliding window or soft-cap,
+            and deterministic mode, keep the Triton kernel (``prefill_reason`` says which runs
+            and why). The page audit still reports bad page ids, but memory safety against
+            them is then the engine kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
         decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``, ...).
     """
@@ -71,8 +126,9 @@ class Attention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
-                 schedule: str = "lpt", extend_config: ExtendConfig | None = None, arch: str | None = None,
-                 debug: bool | None = None, **decode_kwargs):
+                 schedule: str = "lpt", extend_config: ExtendConfig | None = None,
+                 prefill_kernel: PrefillKernel | None = None, arch: str | None = None, debug: bool | None = None,
+                 **decode_kwargs):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         check_positive_int("head_dim", head_dim)
         check_head_dim(head_dim)
@@ -101,11 +157,27 @@ class Attention:
         i32 = dict(dtype=torch.int32, device=self.device)
         self._order = torch.zeros(max_batch_size, **i32)
         self._sorted_start = torch.zeros(max_batch_size, **i32)
+        self.prefill_kernel, self.prefill_reason = self._choose_prefill(prefill_kernel, decode_kwargs)
+        if self.prefill_kernel is not None:
+            self._cu_extend = torch.zeros(max_batch_size + 1, **i32)
+            self._lens_extend = torch.zeros(max_batch_size, **i32)
         self._plan: AttentionPlan | None = None
         self.warmed_up = False  # set by warmup()
         self._audit_pending = False
         self._errors = error_flag(self.device)
         self._audit_grid = sm_count(self.device)
+
+    def _choose_prefill(self, kernel: PrefillKernel | None, decode_kwargs: dict) -> tuple:
+        """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""
+        if kernel is None:
+            return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
+        if self.sliding_window is not None or self.logit_cap is not None:
+            return None, (f"evenkv's Triton extend kernel: {kernel.name} is used only for plain causal layers "
+                          "(this one has a sliding window or soft-cap)")
+        if env_flag("EVENKV_DETERMINISTIC", decode_kwargs.get("deterministic")):
+            return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
+                          f"invariant by construction, which {kernel.name}'s is not known to be")
+        return kernel, f"{kernel.name} (the engine's prefill kernel)"
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -130,8 +202,8 @@ class Attention:
                                index_dtypes=index_dtypes)
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
-        configs = ([self._extend_config] if self._extend_config is not None else
-                   extend_configs(self.arch, self.head_dim, self.group_size))
+        configs = ([] if self.prefill_kernel is not None else [self._extend_config]
+                   if self._extend_config is not None else extend_configs(self.arch, self.head_dim, self.group_size))
         for block_b in launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
                 launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), page_table, self._errors,
@@ -150,7 +222,8 @@ class Attention:
                     num_stages=config.num_stages, warmup=True)
 
     def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
-             num_decodes: int, max_q_len: int, seq_lens_cpu: torch.Tensor | None = None) -> AttentionPlan:
+             num_decodes: int, max_q_len: int, max_seq_len: int | None = None,
+             seq_lens_cpu: torch.Tensor | None = None) -> AttentionPlan:
         """Plan one batch. The returned plan is what ``run`` takes, for every layer; it stays
         valid until this object plans again.
 
@@ -160,6 +233,8 @@ class Attention:
         page_table: [B, max_pages] int32 on this device, unit stride in the last dim.
         num_decodes: host int in [0, B] (vLLM ``split_decodes_and_prefills``).
         max_q_len: host int >= every q length of requests [num_decodes, B) (1 if none).
+        max_seq_len: host int >= every seq_len (the prefill kernel's bound); default the page
+            table's capacity.
         seq_lens_cpu: optional host copy of seq_lens ([B]); the decode rows' lengths are
             then checked against the page table with no sync.
         """
@@ -182,16 +257,25 @@ class Attention:
         if use_decode:
             decode_plan = self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes],
                                            seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_decodes])
-        extend_plan = None
+        extend_plan = delegated = None
         req_begin = num_decodes if use_decode else 0
-        if req_begin < batch:
+        if req_begin < batch and self.prefill_kernel is not None:
+            rows = batch - req_begin
+            cu = self._cu_extend[:rows + 1]
+            cu.copy_(cu_seqlens_q[req_begin:])
+            cu.sub_(req_begin)
+            lens = self._lens_extend[:rows]
+            lens.copy_(seq_lens[req_begin:])
+            bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.page_size
+            delegated = DelegatedExtend(req_begin, cu, lens, page_table[req_begin:], max(max_q_len, 1), bound)
+        elif req_begin < batch:
             q_bound = max(max_q_len, 1 if num_decodes else 0)
             config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
             extend_plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=self.page_size,
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
                                       schedule=self.schedule, req_begin=req_begin, order=self._order,
                                       sorted_start=self._sorted_start)
-        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan, seq_lens, page_table)
+        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan, delegated, seq_lens, page_table)
         self._audit_pending = True
         return self._plan
 
@@ -254,7 +338,18 @@ class Attention:
         if ext is not None:
             run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=True,
                        sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+        if plan.delegated is not None:
+            d = plan.delegated
+            self.prefill_kernel(q[d.first_row:], as_pages(k_cache, self.page_size), as_pages(v_cache, self.page_size),
+                                out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q, seq_lens=d.seq_lens,
+                                page_table=d.page_table, max_q_len=d.max_q_len, max_seq_len=d.max_seq_len,
+                                sm_scale=scale)
         return out
+
+
+def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A [num_slots, Hkv, D] cache as [num_pages, page_size, Hkv, D] without a copy."""
+    return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
 
 
 def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
@@ -268,4 +363,4 @@ def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
                          f"{tuple(cache.shape)} with strides {cache.stride()}") from err
 
 
-__all__ = ["Attention", "AttentionPlan"]
+__all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

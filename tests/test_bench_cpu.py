@@ -379,7 +379,7 @@ def test_prefill_cpu_smoke_checks_every_point(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     rows = list(csv.DictReader(open(out)))
     assert rows and all(r["status"] == "ok" for r in rows), [(r["variant"], r["status"], r["max_err"]) for r in rows]
-    assert {r["variant"] for r in rows if r["scenario"] == "skewed"} == {"lpt", "ordered"}
+    assert {r["variant"] for r in rows if r["scenario"] == "skewed"} == {"engine", "lpt", "ordered"}
     assert (tmp_path / "p.md").exists()
 
 

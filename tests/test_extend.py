@@ -558,3 +558,70 @@ def test_gpu_mixed_batch_and_graph(no_tf32):
         sub = dict(batch, q=q, cu_seqlens_q=cu, seq_lens=seq_lens, page_table=page_table, max_q_len=1)
         ref, lowp = reference_pair(sub, ps, max_scores=1 << 28)
         assert_tolerance(out, ref, lowp, dtype)
+
+
+# -- an engine's prefill kernel for the extend rows ---------------------------------------------
+
+
+class ReferencePrefill:
+    """A PrefillKernel made of the fp32 reference: records each call's arguments."""
+
+    name = "reference prefill"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
+                 sm_scale):
+        self.calls.append(dict(rows=q.shape[0], cu=cu_seqlens_q.tolist(), lens=seq_lens.tolist(),
+                               pages=page_table.shape, max_q_len=max_q_len, max_seq_len=max_seq_len,
+                               sm_scale=sm_scale, cache=tuple(k_cache.shape)))
+        ref = extend_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k_cache.shape[1],
+                               sm_scale=sm_scale)
+        n = int(cu_seqlens_q[-1])
+        out[:n] = ref[:n].to(out.dtype)
+
+
+def test_extend_rows_run_on_the_engine_prefill_kernel(device):
+    """Decode rows on evenkv's decode plan, extend rows on the given prefill kernel, one plan,
+    every layer; the kernel sees only the extend rows, cu_seqlens_q rebased at 0, int32 lengths
+    and the paged [num_pages, page_size, Hkv, D] view of the cache."""
+    dtype, hq, hkv, d, ps = torch.float16, 8, 2, 64, 16
+    q_lens, prefixes = [1, 1, 1, 12, 5], [40, 7, 0, 9, 30]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, device, seed=7)
+    prefill = ReferencePrefill()
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, prefill_kernel=prefill)
+    assert attn.prefill_kernel is prefill and "reference prefill" in attn.prefill_reason
+    seq_lens = batch["seq_lens"].long()  # SGLang's dtype: the kernel still gets int32
+    plan = attn.plan(batch["cu_seqlens_q"], seq_lens, batch["page_table"], num_decodes=3, max_q_len=12,
+                     max_seq_len=35)
+    assert plan.extend is None and plan.delegated.first_row == 3
+    ref, lowp = reference_pair(batch, ps)
+    for sm_scale in (None, 0.2):
+        out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], sm_scale=sm_scale)
+        if sm_scale is None:
+            assert_tolerance(out, ref, lowp, dtype)
+    call = prefill.calls[0]
+    assert call["cu"] == [0, 12, 17] and call["lens"] == [21, 35] and call["rows"] == sum(q_lens) - 3
+    assert call["pages"][0] == 2 and call["max_q_len"] == 12 and call["max_seq_len"] == 35
+    assert call["cache"][1:] == (ps, hkv, d) and prefill.calls[1]["sm_scale"] == 0.2
+
+
+@pytest.mark.parametrize("kw,why", [(dict(sliding_window=8), "sliding window"), (dict(logit_cap=3.0), "soft-cap"),
+                                    (dict(deterministic=True), "deterministic")])
+def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
+    batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
+    attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, prefill_kernel=ReferencePrefill(), **kw)
+    assert attn.prefill_kernel is None and why in attn.prefill_reason and "Triton" in attn.prefill_reason
+
+
+def test_prefill_switch(monkeypatch):
+    from evenkv.attention import engine_prefill_wanted
+
+    monkeypatch.delenv("EVENKV_PREFILL", raising=False)
+    assert engine_prefill_wanted()
+    monkeypatch.setenv("EVENKV_PREFILL", "triton")
+    assert not engine_prefill_wanted()
+    monkeypatch.setenv("EVENKV_PREFILL", "fa3")
+    with pytest.raises(ValueError, match="EVENKV_PREFILL.*auto.*fa3"):
+        engine_prefill_wanted()

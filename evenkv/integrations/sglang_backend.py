@@ -36,6 +36,7 @@ CUDA graphs (decode; SGLang's ``full`` decode graph runner):
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.runtime_context import get_parallel
 
 from evenkv.attention import Attention, AttentionPlan
+from evenkv.integrations.prefill import sglang_flash_attention
+
+logger = logging.getLogger("evenkv")
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,10 @@ class EvenKVAttnBackend(AttentionBackend):
         self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         self.attention = Attention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
-                                   self.device, max_batch_size, self.max_pages, policy)
+                                   self.device, max_batch_size, self.max_pages, policy,
+                                   prefill_kernel=sglang_flash_attention(self.device))
+        logger.info("evenkv: every attention layer decodes on evenkv's balanced kernels; prefill and extend run "
+                    "on %s", self.attention.prefill_reason)
         self._warmup()
         # cu_seqlens_q of every decode batch: request i owns q row i.
         self._decode_cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=self.device)
@@ -182,8 +189,9 @@ class EvenKVAttnBackend(AttentionBackend):
         cu_seqlens_q = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         cu_seqlens_q[1:] = torch.cumsum(ext_lens, dim=0)
         page_table = self._gather_page_table(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
+        max_seq_len = int(max(seq_lens_cpu)) if seq_lens_cpu is not None and len(seq_lens_cpu) else None
         plan = self.attention.plan(cu_seqlens_q, forward_batch.seq_lens[:bs], page_table, num_decodes=0,
-                                   max_q_len=max_q_len)
+                                   max_q_len=max_q_len, max_seq_len=max_seq_len)
         self.forward_metadata = ForwardMetadata(plan, total_q, decode=False)
 
     # -- CUDA graphs (decode) --------------------------------------------------------

@@ -31,6 +31,7 @@ Interfaces: vLLM 0.26.0 and 0.33.0 (``docs/design.md``, "Engines").
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,11 +42,13 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 
 from evenkv.configs import graph_capturing
+from evenkv.integrations.prefill import vllm_flash_attention
 
 if TYPE_CHECKING:
     from evenkv.attention import Attention, AttentionPlan
 
 POLICY_ENV = "EVENKV_POLICY"
+logger = logging.getLogger("evenkv")
 # Pages evenkv's kernels take, restricted to what vLLM uses (its default block is 16).
 # Listed as exact sizes, not MultipleOf(16): vLLM then splits a larger manager block
 # (say 48 or 256) into kernel blocks of the largest size here that divides it.
@@ -262,7 +265,9 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         self.attention = Attention(
             num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, kv_cache_spec.dtype, device,
             max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-            policy=policy)
+            policy=policy, prefill_kernel=vllm_flash_attention(device))
+        logger.info("evenkv: %d attention layer(s) of this KV-cache group decode on evenkv's balanced kernels; "
+                    "their prefill and extend rows run on %s", len(layer_names), self.attention.prefill_reason)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> EvenKVMetadata:
@@ -278,7 +283,7 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         # Columns past max_model_len can hold no token of a request.
         block_table = cam.block_table_tensor[:, :self.max_pages]
         plan = self.attention.plan(cam.query_start_loc, cam.seq_lens, block_table, num_decodes=num_decodes,
-                                   max_q_len=cam.max_query_len)
+                                   max_q_len=cam.max_query_len, max_seq_len=cam.max_seq_len)
         return EvenKVMetadata(
             num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len, max_seq_len=cam.max_seq_len,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,

@@ -656,3 +656,61 @@ def test_gpu_extend_realistic(page_size):
     out = backend.forward(q, world.randn(t, world.hkv, world.d), world.randn(t, world.hkv, world.d),
                           world.layers[0], fb)
     check_extend(world, out, q, fb)
+
+
+# -- prefill on SGLang's own FA3 ---------------------------------------------------------------
+
+
+def test_flash_attention_prefill_choice(monkeypatch):
+    """SGLang's FA3 on SM90 when its build loads, else none (evenkv's Triton extend), and none
+    with EVENKV_PREFILL=triton; the call passes the extend rows as SGLang's fa3 backend does."""
+    from sglang.kernels.ops.attention import flash_attention_v3 as fa3
+
+    from evenkv.integrations import prefill
+
+    calls = []
+    monkeypatch.setattr(fa3, "flash_attn_with_kvcache", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(fa3, "_load_fa3_kernels", lambda: {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("EVENKV_PREFILL", raising=False)
+    gpu = torch.device("cuda", 0)
+    kernel = prefill.sglang_flash_attention(gpu)
+    q, cu, lens, pt = torch.zeros(5, 4, 64), torch.tensor([0, 5]), torch.tensor([9]), torch.zeros(1, 9)
+    kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
+    assert calls[0]["cache_seqlens"] is lens and calls[0]["page_table"] is pt and calls[0]["out"] is q
+    assert calls[0]["causal"] and calls[0]["max_seqlen_q"] == 5
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert prefill.sglang_flash_attention(gpu) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def no_build():
+        raise ImportError("no sgl_kernel flash_ops")
+
+    monkeypatch.setattr(fa3, "_load_fa3_kernels", no_build)
+    assert prefill.sglang_flash_attention(gpu) is None
+    monkeypatch.setattr(fa3, "_load_fa3_kernels", lambda: {})
+    monkeypatch.setenv("EVENKV_PREFILL", "triton")
+    assert prefill.sglang_flash_attention(gpu) is None
+    assert prefill.sglang_flash_attention(torch.device("cpu")) is None
+
+
+def test_prefill_backend_beside_torch_native_decode(lane):
+    """--prefill-attention-backend evenkv --decode-attention-backend torch_native: the reverse
+    of the hybrid above also serves, evenkv taking every extend batch."""
+    with get_context().override_server_args(prefill_attention_backend=plugin.NAME,
+                                            decode_attention_backend="torch_native"):
+        world = World(1, *lane)
+        prefill = world.backend()
+        hybrid = HybridAttnBackend(world.runner, prefill_backend=prefill,
+                                   decode_backend=TorchNativeAttnBackend(world.runner))
+    prefix, new = [0, 6], [9, 4]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    hybrid.init_forward_metadata(fb)
+    meta = prefill.forward_metadata
+    assert meta is not None and not meta.decode and meta.num_tokens == sum(new)
+    layer = world.layers[0]
+    t = sum(new)
+    out = hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
+                         world.randn(t, world.hkv, world.d), layer, fb)
+    assert out.shape == (t, world.hq * world.d) and torch.isfinite(out).all()

@@ -514,3 +514,41 @@ def test_gpu_decode_cuda_graph_replay_after_replan(vllm_config):
         torch.cuda.synchronize()
         step.kv_cache = first.kv_cache
         _assert_matches_reference(step, output)
+
+
+# -- prefill on vLLM's own FlashAttention -----------------------------------------------------
+
+
+def test_flash_attention_prefill_choice(monkeypatch):
+    """FA3 on SM90, FA2 elsewhere, none without a build, a CUDA device, or with EVENKV_PREFILL=triton;
+    the call passes the extend rows to flash_attn_varlen_func as vLLM's FLASH_ATTN backend does."""
+    import sys
+    import types
+
+    from evenkv.integrations import prefill
+
+    calls = []
+    fake = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
+    fake.flash_attn_varlen_func = lambda **kw: calls.append(kw)
+    fake.is_fa_version_supported = lambda version: version in (2, 3)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", fake)
+    monkeypatch.delenv("EVENKV_PREFILL", raising=False)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kernel = prefill.vllm_flash_attention(gpu)
+    assert kernel.fa_version == 3 and kernel.name.startswith("FA3")
+    q, cu, lens, pt = torch.zeros(5, 4, 64), torch.tensor([0, 5]), torch.tensor([9]), torch.zeros(1, 2)
+    kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
+    assert calls[0]["seqused_k"] is lens and calls[0]["block_table"] is pt and calls[0]["causal"]
+    assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"], calls[0]["fa_version"]) == (5, 9, 3)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert prefill.vllm_flash_attention(gpu).fa_version == 2
+    assert prefill.vllm_flash_attention(torch.device("cpu")) is None
+    fake.is_fa_version_supported = lambda version: False
+    assert prefill.vllm_flash_attention(gpu) is None
+    fake.is_fa_version_supported = lambda version: True
+    monkeypatch.setenv("EVENKV_PREFILL", "triton")
+    assert prefill.vllm_flash_attention(gpu) is None
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", None)  # import fails
+    monkeypatch.setenv("EVENKV_PREFILL", "auto")
+    assert prefill.vllm_flash_attention(gpu) is None

@@ -1,0 +1,85 @@
+"""The engines' own prefill kernels, as ``evenkv.attention.PrefillKernel`` objects.
+
+With these, a batch's extend rows (prefill, chunked prefill) run where the engine's default
+backend runs them, FA3 on Hopper, while decode rows stay on evenkv's balanced kernels:
+Triton 3.6 does not generate the warp-specialized WGMMA pipelines that let FA3 hide the
+softmax on SM90, so evenkv's own extend kernel stays behind it there. Each finder returns
+None where the kernel is not there (then evenkv's Triton extend kernel runs) and imports its
+engine lazily; ``EVENKV_PREFILL=triton`` turns them off.
+"""
+
+import logging
+
+import torch
+
+from evenkv.attention import engine_prefill_wanted
+
+logger = logging.getLogger("evenkv")
+
+
+class VllmFlashAttention:
+    """vLLM's own FlashAttention (``vllm.vllm_flash_attn``: FA3 on Hopper, FA2 elsewhere, what
+    its FLASH_ATTN backend runs) as evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
+
+    def __init__(self, varlen, fa_version: int):
+        self.varlen, self.fa_version = varlen, fa_version
+        self.name = f"FA{fa_version} (vllm.vllm_flash_attn)"
+
+    def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
+                 sm_scale):
+        self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
+                    seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
+                    block_table=page_table, fa_version=self.fa_version)
+
+
+def vllm_flash_attention(device) -> VllmFlashAttention | None:
+    """vLLM's FlashAttention for ``device`` (FA3 on SM90, else FA2), or None (then evenkv's Triton
+    extend kernel runs): EVENKV_PREFILL=triton, no CUDA device, or no build that imports."""
+    device = torch.device(device)
+    if not engine_prefill_wanted() or device.type != "cuda":
+        return None
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func, is_fa_version_supported
+    except ImportError as err:
+        logger.info("evenkv: vllm.vllm_flash_attn does not import (%s)", err)
+        return None
+    major, _ = torch.cuda.get_device_capability(device)
+    for version in ((3, 2) if major == 9 else (2,)):
+        if is_fa_version_supported(version):
+            return VllmFlashAttention(flash_attn_varlen_func, version)
+    return None
+
+
+class SGLangFlashAttention:
+    """SGLang's own FA3 (``flash_attn_with_kvcache``, what its ``fa3`` backend runs on Hopper) as
+    evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
+
+    name = "FA3 (SGLang's flash_attn_with_kvcache)"
+
+    def __init__(self, with_kvcache):
+        self.with_kvcache = with_kvcache
+
+    def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
+                 sm_scale):
+        self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
+                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
+                          out=out)
+
+
+def sglang_flash_attention(device) -> SGLangFlashAttention | None:
+    """SGLang's FA3 on an SM90 device, or None (then evenkv's Triton extend kernel runs):
+    EVENKV_PREFILL=triton, another GPU, or no FA3 build SGLang can load."""
+    device = torch.device(device)
+    if not engine_prefill_wanted() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    try:
+        from sglang.kernels.ops.attention import flash_attention_v3 as fa3
+
+        fa3._load_fa3_kernels()  # where the FA3 build comes from (sgl_kernel or a kernel cache)
+    except Exception as err:  # noqa: BLE001 - any failure to load means: no FA3 here
+        logger.info("evenkv: SGLang's FA3 does not load (%s: %s)", type(err).__name__, err)
+        return None
+    return SGLangFlashAttention(fa3.flash_attn_with_kvcache)
+
+
+__all__ = ["SGLangFlashAttention", "VllmFlashAttention", "sglang_flash_attention", "vllm_flash_attention"]

@@ -1,0 +1,78 @@
+"""GPU lane: after ``warmup``, a random stream of batches compiles no kernel.
+
+Counts Triton's post-compile hook (called for every new specialization of a kernel in this
+process, whether its binary came from the disk cache or not) while random batches run for
+real: decode-only, mixed and extend-only, batch sizes across the plan kernel's chunk
+buckets and the many-segments threshold, page tables of any width, int32 and int64
+lengths, pages 16 (vLLM-like tensors) and 1 (SGLang-like, new tokens in k_new/v_new).
+"""
+
+import pytest
+import torch
+import triton
+
+import evenkv
+from evenkv.decode import warmup_write_kv
+from test_specialization import _tensors
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
+
+HQ, HKV, D = 8, 2, 128
+
+
+@pytest.fixture
+def compiles():
+    """``module.name`` of each kernel specialization Triton builds while the fixture is active."""
+    seen = []
+
+    def hook(*, fn, **kwargs):
+        seen.append(f"{fn.module}.{fn.name}")
+        return None
+
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    yield seen
+    triton.knobs.runtime.jit_post_compile_hook = old
+
+
+def test_the_hook_counts(compiles):
+    """Not vacuous: a specialization nothing built before (3 KV heads of 80) is counted."""
+    k = torch.zeros(64, 3, 80, dtype=torch.float16, device="cuda")
+    evenkv.write_kv(k, k.clone(), k[:3], k[:3], torch.arange(3, device="cuda"))
+    assert any("kv_write_kernel" in name for name in compiles)
+
+
+@pytest.mark.parametrize("page_size,new_tokens", [(16, False), (1, True)], ids=["vllm-like", "sglang-like"])
+def test_no_compilation_after_warmup(compiles, page_size, new_tokens):
+    max_batch, width = 2048, 256
+    q, k_new, v_new, k_cache, v_cache = _tensors("cuda", page_size, num_pages=4096 // page_size * 64,
+                                                 tokens=4096, packed=not new_tokens)
+    out = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, "cuda", max_batch, width)
+    kn, vn = (k_new, v_new) if new_tokens else (None, None)
+    attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out)
+    warmup_write_kv(k_cache, v_cache, k_new, v_new)
+    compiles.clear()
+    gen = torch.Generator().manual_seed(1)
+    tables = torch.randint(0, k_cache.shape[0] // page_size, (max_batch, width + 3), generator=gen,
+                           dtype=torch.int32).cuda()
+    for step in range(60):
+        batch = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
+        cols = int(torch.randint(1, width + 1, (1,), generator=gen))
+        decodes = batch if step % 3 == 0 else int(torch.randint(0, batch + 1, (1,), generator=gen))
+        q_lens = [1] * decodes + torch.randint(1, 65, (batch - decodes,), generator=gen).tolist()
+        total = sum(q_lens)
+        if total > q.shape[0]:
+            continue
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        dtype = torch.int64 if step % 2 else torch.int32
+        seq_lens = (torch.tensor(q_lens) + torch.randint(0, cols * page_size - 64, (batch,), generator=gen))
+        seq_lens = seq_lens.clamp(max=cols * page_size).to(dtype).cuda()
+        plan = attn.plan(cu, seq_lens, tables[:batch, :cols], num_decodes=decodes, max_q_len=max(q_lens))
+        attn.run(plan, q[:total], k_cache, v_cache, out=out[:total], k_new=kn[:total] if new_tokens else None,
+                 v_new=vn[:total] if new_tokens else None)
+        slots = torch.randint(-1, k_cache.shape[0], (total,), generator=gen).cuda()
+        evenkv.write_kv(k_cache, v_cache, k_new[:total], v_new[:total], slots)
+    torch.cuda.synchronize()
+    assert compiles == [], f"kernels compiled after warm-up: {compiles}"
+    evenkv.check_errors()

@@ -1,0 +1,53 @@
+"""GPU lane: extend rows on the engine's prefill kernel (vLLM's FA3) against evenkv's Triton
+extend kernel and the fp32 reference, pages 16 (vLLM) and 1 (SGLang), mixed batches.
+
+Needs ``vllm.vllm_flash_attn`` (the peers or vLLM device kit): skipped, saying so, without it.
+"""
+
+import pytest
+import torch
+
+import evenkv
+from evenkv.integrations.prefill import vllm_flash_attention
+from test_extend import assert_tolerance, make_batch, reference_pair
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def fa():
+    kernel = vllm_flash_attention("cuda")
+    if kernel is None:
+        pytest.skip("vllm.vllm_flash_attn is not importable here (source the peers or vLLM kit)")
+    return kernel
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+@pytest.mark.parametrize("num_decodes", [0, 40])
+def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes):
+    hq, hkv, d, dtype = 32, 4, 128, torch.bfloat16
+    gen = torch.Generator().manual_seed(page_size + num_decodes)
+    q_lens = [1] * num_decodes + [2048, 300, 7, 1000]
+    prefixes = torch.randint(1, 6000, (num_decodes,), generator=gen).tolist() + [8000, 0, 3000, 17]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, page_size, dtype, "cuda", seed=3)
+    args = (batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"])
+    kw = dict(num_decodes=num_decodes, max_q_len=2048, max_seq_len=max(p + n for p, n in zip(prefixes, q_lens)))
+    outs = {}
+    for name, kernel in (("fa3", fa), ("triton", None)):
+        attn = evenkv.Attention(hq, hkv, d, page_size, dtype, "cuda", 64, batch["page_table"].shape[1],
+                                prefill_kernel=kernel)
+        assert (attn.prefill_kernel is None) == (kernel is None), attn.prefill_reason
+        plan = attn.plan(*args, **kw)
+        outs[name] = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
+    ref, lowp = reference_pair(batch, page_size, max_scores=1 << 28)
+    for out in outs.values():
+        assert_tolerance(out, ref, lowp, dtype)
+    evenkv.check_errors()
