@@ -341,3 +341,21 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
         other = evenkv.DecodeAttention(hq, hkv, d, other_page, torch.float16, device, threshold, max_pages,
                                        arch="sm90", **kwargs)
         assert other.launch_config(threshold) == (main, other.num_ctas)
+
+
+PLANNING_KERNELS = [
+    ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8), 8),
+    ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
+    ("evenkv.kernels.extend:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
+    ("evenkv.kernels.kv_write:kv_write_kernel", dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128), 4),
+]
+
+
+@pytest.mark.parametrize("cap", [90, 80])
+@pytest.mark.parametrize("kernel,consts,warps", PLANNING_KERNELS, ids=[k.split(":")[1] for k, _, _ in PLANNING_KERNELS])
+def test_planning_and_write_kernels_compile_for_cuda(kernel, consts, warps, cap):
+    """The kernels around the attention ones compile for sm_90a and sm_80 (on the CPU, with
+    Triton's bundled ptxas): the interpreter runs Python, and accepts code the compiler does not."""
+    (r,) = aot_compile(dict(kernel=kernel, bf16=["k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr"],
+                            variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
+    assert r["stack"] == 0, r

@@ -199,6 +199,7 @@ def resident_ctas_per_sm(compiled, device: torch.device) -> int:
     shared memory per CTA on SM80 and later.
     """
     props = torch.cuda.get_device_properties(device)
+    compiled._init_handles()  # loads the binary: its register count is known from then on
     num_warps = compiled.metadata.num_warps
     regs_per_warp = triton.cdiv(max(compiled.n_regs, 1) * 32, 256) * 256
     by_regs = (props.regs_per_multiprocessor // regs_per_warp) // num_warps

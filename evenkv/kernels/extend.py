@@ -69,8 +69,8 @@ def extend_plan_kernel(
     pid = tl.program_id(0)
     offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < batch_size
-    key_i, _, bad_i = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, max_q_len, G, BLOCK_M,
-                                   LPT)
+    key_i, _blocks_i, bad_i = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, max_q_len, G,
+                                           BLOCK_M, LPT)
     if tl.sum(bad_i.to(tl.int32), 0) > 0:
         tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
     rank = tl.zeros([BLOCK_I], tl.int32)
@@ -78,8 +78,8 @@ def extend_plan_kernel(
     for j0 in range(0, batch_size, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         mask_j = offs_j < batch_size
-        key_j, blocks_j, _ = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, max_q_len, G,
-                                          BLOCK_M, LPT)
+        key_j, blocks_j, _bad_j = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, max_q_len, G,
+                                               BLOCK_M, LPT)
         before = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
         before = before & mask_j[None, :]
         rank += tl.sum(before.to(tl.int32), 1)

@@ -30,6 +30,7 @@ if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import evenkv  # noqa: E402
+import evenkv.errors  # noqa: E402
 from evenkv.configs import ExtendConfig  # noqa: E402
 from evenkv.kernels.reference import extend_reference, kv_write_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR, assert_close_to_reference, make_paged_batch  # noqa: E402
@@ -189,6 +190,69 @@ def mixed_case():
     return 1
 
 
+def hostile_cases():
+    """Batch data that points outside the caches, no debug mode: page ids past the cache and
+    negative, lengths past the page table and negative, slots past the cache, query ranges past
+    q. Each runs every policy / layout; the good requests must stay right, nothing may touch
+    memory outside the tensors (memcheck), and the error flag must name each case."""
+    count = 0
+    hostile_pages = (10**6, -3, 2**31 - 1)
+    for ps in (16, 1):
+        q, k, v, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, 128, ps, DTYPE, DEV, seed=11 + ps)
+        for (policy, det), page_id in zip(VARIANTS, hostile_pages + hostile_pages[:1]):
+            bad = pt.clone()
+            bad[3, 1] = page_id  # request 3 (100 tokens) uses this entry
+            attn = evenkv.DecodeAttention(HQ, HKV, 128, ps, DTYPE, DEV, len(LENS), pt.shape[1], policy,
+                                          deterministic=det)
+            out = attn.run(attn.plan(seq_lens, bad), q, k, v)
+            sync()
+            good = [i for i in range(len(LENS)) if i != 3]
+            assert_close_to_reference(out[good], q[good], k, v, seq_lens[good], pt[good], ps)
+            expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE)
+            lens = seq_lens.clone().long()
+            lens[2], lens[5] = -7, 10**9
+            out = attn.run(attn.plan(lens, pt), q, k, v)
+            sync()
+            assert torch.isfinite(out).all() and torch.all(out[2] == 0)
+            # Clamped to the page table, request 5 now reads its garbage tail entries too.
+            expect_flag(evenkv.errors.LENGTH_OUT_OF_RANGE, evenkv.errors.PAGE_OUT_OF_RANGE)
+            print(f"CASE ok hostile decode {policy}{'-det' if det else ''} p{ps} page={page_id}", flush=True)
+            count += 1
+    k = torch.zeros(64, HKV, 128, dtype=DTYPE, device=DEV)
+    new = torch.ones(4, HKV, 128, dtype=DTYPE, device=DEV)
+    evenkv.write_kv(k, k.clone(), new, new, torch.tensor([3, 10**6, 64, -1], device=DEV))
+    sync()
+    expect_flag(evenkv.errors.SLOT_OUT_OF_RANGE)
+    print("CASE ok hostile write_kv", flush=True)
+    q_lens, prefixes = [5, 9, 3], [40, 0, 17]
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    _, k, v, seq_lens, pt = make_paged_batch(seq, HQ, HKV, 128, 16, DTYPE, DEV, seed=12)
+    q = torch.randn(17, HQ, 128, device=DEV).to(DTYPE)
+    for new_layout in (False, True):
+        kn = torch.randn(17, HKV, 128, device=DEV).to(DTYPE) if new_layout else None
+        bad_pt, bad_lens = pt.clone(), seq_lens.clone()
+        bad_pt[0, 1], bad_lens[2] = 10**7, 1
+        cu = torch.tensor([0, 5, 14, 10**6], dtype=torch.int32, device=DEV)
+        evenkv.extend(q, k, v, cu_seqlens_q=cu, seq_lens=bad_lens, page_table=bad_pt, page_size=16, max_q_len=9,
+                      k_new=kn, v_new=kn)
+        sync()
+        expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE, evenkv.errors.LENGTH_OUT_OF_RANGE,
+                    evenkv.errors.QUERY_OUT_OF_RANGE)
+        print(f"CASE ok hostile extend new_layout={new_layout}", flush=True)
+    return count + 3
+
+
+def expect_flag(*bits):
+    """The error flag holds exactly ``bits``; clears it."""
+    got = int(evenkv.errors.error_flag(DEV).item())
+    evenkv.errors.error_flag(DEV).zero_()
+    want = 0
+    for bit in bits:
+        want |= bit
+    if got != want:
+        raise AssertionError(f"error flag {got:#x}, expected {want:#x}")
+
+
 def main(which: str) -> None:
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("sanitizer_cases.py needs a CUDA device (EVENKV_SANITIZER_DEVICE=cpu: interpreter dry run)")
@@ -196,10 +260,13 @@ def main(which: str) -> None:
     print(f"evenkv {evenkv.__version__} from {evenkv.__file__}; torch {torch.__version__}; {where}", flush=True)
     if which == "persistent":
         n = decode_cases(PERSISTENT, head_dims=(128,), page_sizes=(16,))
+    elif which == "hostile":
+        n = hostile_cases()
     elif which == "all":
-        n = decode_cases(VARIANTS) + sm90_row_cases() + write_kv_cases() + extend_cases() + mixed_case()
+        n = (decode_cases(VARIANTS) + sm90_row_cases() + write_kv_cases() + extend_cases() + mixed_case()
+             + hostile_cases())
     else:
-        sys.exit(f"usage: sanitizer_cases.py [all|persistent], got {which!r}")
+        sys.exit(f"usage: cases.py [all|persistent|hostile], got {which!r}")
     print(f"CASES OK {n}", flush=True)
 
 

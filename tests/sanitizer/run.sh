@@ -71,9 +71,11 @@ for s in ${@:-plain memcheck racecheck}; do
     plain) step_plain || fail=1 ;;
     # --padding: guard bytes after each allocation, so short overruns land in checked memory
     memcheck) SAN_TIMEOUT=${SAN_TIMEOUT:-330} run_tool memcheck all --padding 512 || fail=1 ;;
+    # the hostile batch data alone (out-of-range page ids, lengths, slots, query ranges)
+    hostile) SAN_TIMEOUT=${SAN_TIMEOUT:-200} run_tool memcheck hostile --padding 512 || fail=1 ;;
     racecheck) SAN_TIMEOUT=${SAN_TIMEOUT:-200} run_tool racecheck persistent --racecheck-report all \
                  --kernel-name "regex=decode_(stream|units)_kernel" || fail=1 ;;
-    *) echo "unknown step $s (plain | memcheck | racecheck)"; exit 2 ;;
+    *) echo "unknown step $s (plain | memcheck | racecheck | hostile)"; exit 2 ;;
   esac
 done
 
