@@ -157,7 +157,8 @@ class Attention:
         i32 = dict(dtype=torch.int32, device=self.device)
         self._order = torch.zeros(max_batch_size, **i32)
         self._sorted_start = torch.zeros(max_batch_size, **i32)
-        self.prefill_kernel, self.prefill_reason = self._choose_prefill(prefill_kernel, decode_kwargs)
+        self.deterministic = env_flag("EVENKV_DETERMINISTIC", decode_kwargs.get("deterministic"))
+        self.prefill_kernel, self.prefill_reason = self._choose_prefill(prefill_kernel)
         if self.prefill_kernel is not None:
             self._cu_extend = torch.zeros(max_batch_size + 1, **i32)
             self._lens_extend = torch.zeros(max_batch_size, **i32)
@@ -167,14 +168,14 @@ class Attention:
         self._errors = error_flag(self.device)
         self._audit_grid = sm_count(self.device)
 
-    def _choose_prefill(self, kernel: PrefillKernel | None, decode_kwargs: dict) -> tuple:
+    def _choose_prefill(self, kernel: PrefillKernel | None) -> tuple:
         """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""
         if kernel is None:
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
         if self.sliding_window is not None or self.logit_cap is not None:
             return None, (f"evenkv's Triton extend kernel: {kernel.name} is used only for plain causal layers "
                           "(this one has a sliding window or soft-cap)")
-        if env_flag("EVENKV_DETERMINISTIC", decode_kwargs.get("deterministic")):
+        if self.deterministic:
             return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
                           f"invariant by construction, which {kernel.name}'s is not known to be")
         return kernel, f"{kernel.name} (the engine's prefill kernel)"

@@ -24,8 +24,8 @@ from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, env_flag, is_interpreter,
                       many_segments_config, resolve_arch, sm_count)
-from .errors import LENGTH_OUT_OF_RANGE, error_flag
-from .schedule import (DETERMINISTIC_MAX_SPLITS, DecodePlan, StreamSchedule, UnitSchedule, fa3_unit_capacity,
+from .errors import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, error_flag
+from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, deterministic_unit_capacity, fa3_unit_capacity,
                        plan_chunked_units, plan_fa3_units)
 
 POLICIES = ("balanced", "fa3", "none")
@@ -59,8 +59,10 @@ class DecodeAttention:
             (``evenkv.configs.many_segments_config``; ``launch_config`` says which).
         deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
             by its own length only and its pieces are merged in a fixed order, so its output
-            is bitwise the same whatever else is in the batch. Allocates max_batch_size x 16
-            partial slots per KV head. Default: EVENKV_DETERMINISTIC.
+            is bitwise the same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
+        max_total_tokens: the most KV tokens a batch can hold (an engine's KV pool size);
+            sizes deterministic mode's partial workspace (one [G, D] fp32 slot per 512
+            tokens and KV head, plus one per request). Default: 2**21.
         debug: validate lengths and page indices on the host before each launch (syncs).
     """
 
@@ -68,12 +70,14 @@ class DecodeAttention:
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
-                 debug: bool | None = None):
+                 max_total_tokens: int = 1 << 21, debug: bool | None = None):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
         check_policy(policy, POLICIES)
         if num_ctas is not None:
             check_positive_int("num_ctas", num_ctas)
+        check_positive_int("max_total_tokens", max_total_tokens)
+        self.max_total_tokens = max_total_tokens
         if config is not None and not isinstance(config, DecodeConfig):
             raise TypeError(f"config: expected DecodeConfig or None, got {type(config).__name__}")
         deterministic = env_flag("EVENKV_DETERMINISTIC", deterministic)
@@ -129,7 +133,8 @@ class DecodeAttention:
             return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self._max_ctas, 4, **i32),
                                   torch.zeros(4, **i32), self.num_ctas)
         if self._kind == "units":
-            units = fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else b * DETERMINISTIC_MAX_SPLITS
+            units = (fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else
+                     deterministic_unit_capacity(b, self.max_total_tokens))
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
@@ -261,8 +266,8 @@ class DecodeAttention:
                 plan_fa3_units(plan_seq_lens, self._schedule, block_n=config.block_n,
                                num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
             elif self._kind == "units":
-                plan_chunked_units(plan_seq_lens, self._schedule, block_n=config.block_n,
-                                   num_kv_heads=self.num_kv_heads)
+                plan_chunked_units(plan_seq_lens, self._schedule, self._errors, block_n=config.block_n,
+                                   num_kv_heads=self.num_kv_heads, lost_bit=INVARIANCE_LOST)
         self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config)
         self._audit_pending = True
         return self._plan

@@ -27,6 +27,7 @@ PAGE_OUT_OF_RANGE = error_bits.PAGE_OUT_OF_RANGE.value
 SLOT_OUT_OF_RANGE = error_bits.SLOT_OUT_OF_RANGE.value
 LENGTH_OUT_OF_RANGE = error_bits.LENGTH_OUT_OF_RANGE.value
 QUERY_OUT_OF_RANGE = error_bits.QUERY_OUT_OF_RANGE.value
+INVARIANCE_LOST = error_bits.INVARIANCE_LOST.value
 
 REASONS = {
     PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (its tokens were left out)",
@@ -34,6 +35,8 @@ REASONS = {
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
     QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or more than "
                         "seq_lens (clamped; those rows were not computed)",
+    INVARIANCE_LOST: "deterministic decode: a batch held more tokens than max_total_tokens (shared prefix pages?); "
+                     "it was split by its total, so it is correct but not bitwise batch invariant",
 }
 
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -130,4 +133,4 @@ class ErrorWatcher:
 
 
 __all__ = ["EvenKVError", "ErrorWatcher", "check_errors", "error_flag", "peek", "reasons", "REASONS",
-           "PAGE_OUT_OF_RANGE", "SLOT_OUT_OF_RANGE", "LENGTH_OUT_OF_RANGE", "QUERY_OUT_OF_RANGE"]
+           "PAGE_OUT_OF_RANGE", "SLOT_OUT_OF_RANGE", "LENGTH_OUT_OF_RANGE", "QUERY_OUT_OF_RANGE", "INVARIANCE_LOST"]

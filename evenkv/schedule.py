@@ -14,11 +14,14 @@ Policies (docs/design.md, "Decode policies"):
   counter. No batch-size cap (FA3's one-CTA prepare kernel stops splitting above 992).
   Filled by a few torch ops.
 * ``none``: one program per (request, KV head), no split; no schedule tensors.
-* ``deterministic=True`` (with ``balanced``) -> :class:`UnitSchedule` with
-  *fixed-chunk* splits: a request of n tiles is cut into
-  ``min(ceil(n / chunk), DETERMINISTIC_MAX_SPLITS)`` equal pieces, a function of its own
-  length only, and its pieces are merged in a fixed order, so its output is bitwise
-  the same whatever else shares the batch (stream-K boundaries move with the batch).
+* ``deterministic=True`` (with ``balanced``) -> :class:`UnitSchedule` whose splits are a
+  function of each request's own length only: pieces of
+  ``max(DETERMINISTIC_MIN_CHUNK_TOKENS, n / DETERMINISTIC_MAX_SPLITS)`` tokens, merged in a
+  fixed order, so a request's output is bitwise the same whatever else shares the batch
+  (stream-K boundaries move with the batch). The pieces of every request go to
+  persistent CTAs heaviest first, so one long request still fills the GPU (a 256K-token
+  request is 128 pieces per KV head). The partial workspace holds
+  ``deterministic_unit_capacity`` splits, sized from the most tokens a batch can hold.
 
 Every planner works on device tensors only (no ``.item()``, no host sync) and writes
 into buffers allocated once by ``evenkv.DecodeAttention``, so planning can be
@@ -37,11 +40,11 @@ from .configs import DecodeConfig
 # FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
 FA3_MAX_SPLITS = 128
-# Batch-invariant splits: pieces of DETERMINISTIC_CHUNK_TOKENS, at most
-# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer pieces). The cap
-# bounds the partial workspace at max_batch_size x 16 (split, head) slots.
-DETERMINISTIC_CHUNK_TOKENS = 2048
-DETERMINISTIC_MAX_SPLITS = 16
+# Batch-invariant splits: pieces of at least DETERMINISTIC_MIN_CHUNK_TOKENS, at most
+# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer pieces): enough pieces
+# for one request to fill an H200's persistent grid, few enough that each is a few tiles.
+DETERMINISTIC_MIN_CHUNK_TOKENS = 512
+DETERMINISTIC_MAX_SPLITS = 128
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,31 @@ def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int,
     _fill_units(tiles, splits, sched, num_kv_heads)
 
 
-def plan_chunked_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int) -> None:
-    """Fill ``sched`` from clamped ``seq_lens [B] int32`` with batch-invariant splits:
-    each request's split count depends on its own length only."""
+def deterministic_unit_capacity(max_batch_size: int, max_total_tokens: int) -> int:
+    """Splits the deterministic planner can need for a batch of at most max_total_tokens:
+    a request of n tokens has at most n / DETERMINISTIC_MIN_CHUNK_TOKENS + 1 pieces."""
+    return max_batch_size + -(-max_total_tokens // DETERMINISTIC_MIN_CHUNK_TOKENS)
+
+
+def plan_chunked_units(seq_lens: torch.Tensor, sched: UnitSchedule, errors: torch.Tensor, *, block_n: int,
+                       num_kv_heads: int, lost_bit: int) -> None:
+    """Fill ``sched`` from clamped ``seq_lens [B] int32`` with batch-invariant splits: each
+    request's chunk depends on its own length only. Worked example (block_n 64, so a
+    minimum chunk of 8 tiles): 100 tiles -> chunk max(8, ceil(100 / 128)) = 8 -> 13 pieces;
+    8192 tiles -> chunk 64 -> 128 pieces.
+
+    A batch of more tokens than the workspace was sized for (``deterministic_unit_capacity``;
+    only where requests share prefix pages) takes larger chunks, from the batch's total, to
+    fit: still correct, no longer bitwise invariant, and ``lost_bit`` is set in ``errors``."""
     tiles = (seq_lens + (block_n - 1)) // block_n
-    chunk = max(DETERMINISTIC_CHUNK_TOKENS // block_n, 1)
-    splits = torch.clamp((tiles + chunk - 1) // chunk, 1, DETERMINISTIC_MAX_SPLITS)
+    min_chunk = -(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n)
+    chunk = torch.clamp((tiles + DETERMINISTIC_MAX_SPLITS - 1) // DETERMINISTIC_MAX_SPLITS, min=min_chunk)
+    splits = torch.clamp((tiles + chunk - 1) // chunk, min=1)
+    room = max(sched.unit_req.shape[0] - tiles.shape[0], 1)
+    overflow = splits.sum() > sched.unit_req.shape[0]
+    fit_chunk = torch.maximum(chunk, (tiles.sum() + room - 1) // room)
+    splits = torch.where(overflow, torch.clamp((tiles + fit_chunk - 1) // fit_chunk, min=1), splits)
+    errors.bitwise_or_(overflow.to(torch.int32) * lost_bit)
     _fill_units(tiles, splits, sched, num_kv_heads)
 
 

@@ -47,11 +47,20 @@ def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
     return _unit_plan(tiles, np.clip(cdiv(tiles, blocks_per_sm), 1, FA3_MAX_SPLITS), num_kv_heads)
 
 
-def chunked_plan(seq_lens, capacity, num_kv_heads, block_n, chunk_tokens=2048, max_splits=16):
-    """The deterministic (batch-invariant) split: a function of each request's own length."""
+def chunked_plan(seq_lens, capacity, num_kv_heads, block_n, unit_capacity=None, min_chunk_tokens=512,
+                 max_splits=128):
+    """The deterministic (batch-invariant) split: pieces of max(min chunk, tiles / max_splits)
+    tiles, a function of each request's own length; larger chunks from the batch's total
+    when the splits would not fit ``unit_capacity``."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     tiles = cdiv(lens, block_n)
-    return _unit_plan(tiles, np.clip(cdiv(tiles, max(chunk_tokens // block_n, 1)), 1, max_splits), num_kv_heads)
+    chunk = np.maximum(cdiv(tiles, max_splits), -(-min_chunk_tokens // block_n))
+    splits = np.maximum(cdiv(tiles, chunk), 1)
+    if unit_capacity is not None and splits.sum() > unit_capacity:
+        room = max(unit_capacity - len(tiles), 1)
+        chunk = np.maximum(chunk, -(-int(tiles.sum()) // room))
+        splits = np.maximum(cdiv(tiles, chunk), 1)
+    return _unit_plan(tiles, splits, num_kv_heads)
 
 
 def _unit_plan(tiles, splits, num_kv_heads):

@@ -125,7 +125,7 @@ def test_deterministic_is_batch_invariant(device):
     """deterministic=True: one request (long enough to be split) placed in random batches at
     random positions gives bitwise identical output rows, and matches the reference."""
     gen = torch.Generator().manual_seed(7)
-    target = 4500  # 3 fixed chunks of 2048 tokens
+    target = 4500  # 71 tiles of 64: 9 pieces of at least 512 tokens
     lens = [target] + [int(x) for x in torch.randint(0, 300, (7,), generator=gen)]
     q, kc, vc, seq_lens, pt = make_paged_batch(lens, 8, 2, 64, 16, torch.float16, device)
     attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 8, pt.shape[1], deterministic=True,
@@ -359,3 +359,26 @@ def test_planning_and_write_kernels_compile_for_cuda(kernel, consts, warps, cap)
     (r,) = aot_compile(dict(kernel=kernel, bf16=["k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr"],
                             variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
     assert r["stack"] == 0, r
+
+
+def test_deterministic_invariance_to_position_batch_size_and_padding(device):
+    """deterministic=True: the same request gives the same bits at any position, in batches on
+    both sides of 992 requests (where FA3's prepare kernel stops splitting), and beside
+    padding rows of length 0."""
+    gen = torch.Generator().manual_seed(11)
+    target = 3000
+    q, kc, vc, seq_lens, pt = make_paged_batch([target] + [1] * 1100, 8, 2, 64, 16, torch.float16, device)
+    attn = evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, device, 1101, pt.shape[1], deterministic=True)
+    first = attn.run(attn.plan(seq_lens[:1], pt[:1]), q[:1], kc, vc)[0].clone()
+    assert_close_to_reference(first[None], q[:1], kc, vc, seq_lens[:1], pt[:1], 16)
+    for batch, pos, pad in ((2, 1, 0), (994, 993, 0), (600, 0, 599)):
+        rows = torch.randperm(1100, generator=gen)[:batch - 1] + 1
+        rows = torch.cat([rows[:pos], torch.zeros(1, dtype=torch.long), rows[pos:]])
+        lens = seq_lens[rows].clone()
+        if pad:
+            pad_rows = [i for i in range(batch) if i != pos][:pad]
+            lens[pad_rows] = 0
+        out = attn.run(attn.plan(lens, pt[rows]), q[rows], kc, vc)
+        assert torch.equal(out[pos], first), (batch, pos, pad)
+        if pad:
+            assert torch.all(out[pad_rows] == 0)

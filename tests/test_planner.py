@@ -145,7 +145,7 @@ def _check_fa3(device, lens, num_kv_heads, deterministic=False):
     plan = attn.plan(seq_lens, page_table)
     s = plan.schedule
     if deterministic:
-        want = chunked_plan(lens, 64 * 16, num_kv_heads, attn.config.block_n)
+        want = chunked_plan(lens, 64 * 16, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
     else:
         want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
     b = len(lens)
@@ -179,10 +179,31 @@ def test_unit_plan_properties(device, lens, num_kv_heads, deterministic):
 
 
 def test_deterministic_splits_depend_on_own_length_only():
-    a = chunked_plan([5000, 3, 0, 40000], 10**6, 4, 64)
-    b = chunked_plan([1, 5000, 1, 1, 1, 40000, 9999], 10**6, 4, 64)
-    assert a["req_splits"][[0, 3]].tolist() == b["req_splits"][[1, 5]].tolist() == [3, 16]
-    assert a["req_tiles_per_split"][[0, 3]].tolist() == b["req_tiles_per_split"][[1, 5]].tolist()
+    """The worked example of schedule.plan_chunked_units, and the same splits in other batches."""
+    a = chunked_plan([100 * 64, 3, 0, 8192 * 64], 10**7, 4, 64)
+    b = chunked_plan([1, 100 * 64, 1, 1, 1, 8192 * 64, 9999], 10**7, 4, 64)
+    assert a["req_splits"][[0, 3]].tolist() == b["req_splits"][[1, 5]].tolist() == [13, 128]
+    assert a["req_tiles_per_split"][[0, 3]].tolist() == b["req_tiles_per_split"][[1, 5]].tolist() == [8, 64]
+
+
+def test_deterministic_workspace_overflow_is_flagged(device):
+    """A batch of more tokens than max_total_tokens (only possible with shared prefix pages)
+    takes larger chunks to fit the workspace, still covers every tile, and says it is no
+    longer invariant; the plan equals the oracle's."""
+    from evenkv import errors
+
+    errors.error_flag(device).zero_()
+    attn = evenkv.DecodeAttention(8, 4, 128, 16, torch.float16, device, 4, 64, deterministic=True,
+                                  max_total_tokens=1024, num_ctas=4)
+    lens = [1024, 1024, 1024, 7]  # 3079 tokens > 1024
+    plan = attn.plan(torch.tensor(lens, dtype=torch.int32, device=device),
+                     torch.zeros(4, 64, dtype=torch.int32, device=device))
+    s = plan.schedule
+    want = chunked_plan(lens, 1024, 4, attn.config.block_n, s.unit_req.shape[0])
+    np.testing.assert_array_equal(s.req_splits[:4].cpu().numpy(), want["req_splits"])
+    assert int(s.num_units) <= s.unit_req.shape[0] * 4
+    assert errors.peek(device) == [errors.REASONS[errors.INVARIANCE_LOST]]
+    errors.error_flag(device).zero_()
 
 
 def test_plan_clamps_int64_lengths_past_int32(device):

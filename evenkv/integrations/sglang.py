@@ -31,8 +31,22 @@ def register() -> None:
     # --decode-attention-backend (argparse keeps a reference), so one append covers all three.
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
+    _declare_deterministic()
     if ATTENTION_BACKENDS.get(NAME) is not create_backend:
         register_attention_backend(NAME)(create_backend)
+
+
+def _declare_deterministic() -> None:
+    """--enable-deterministic-inference accepts evenkv (with and without the radix cache): its
+    deterministic decode is batch invariant and its prefill does not depend on the chunking."""
+    import sglang.srt.server_args as server_args
+
+    for table, add in (("DETERMINISTIC_ATTENTION_BACKEND_CHOICES", "add_deterministic_attention_backend_choices"),
+                       ("RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND",
+                        "add_radix_supported_deterministic_attention_backend_choices")):
+        choices = getattr(server_args, table, None)
+        if choices is not None and NAME not in choices:
+            getattr(server_args, add)([NAME])
 
 
 def create_backend(model_runner):

@@ -94,9 +94,12 @@ class EvenKVAttnBackend(AttentionBackend):
         # Widest page table a request can need: the req_to_token row, in pages.
         self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
+        deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         self.attention = Attention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
                                    self.device, max_batch_size, self.max_pages, policy,
-                                   prefill_kernel=sglang_flash_attention(self.device))
+                                   prefill_kernel=sglang_flash_attention(self.device),
+                                   deterministic=True if deterministic else None,
+                                   max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21)
         logger.info("evenkv: every attention layer decodes on evenkv's balanced kernels; prefill and extend run "
                     "on %s", self.attention.prefill_reason)
         self._warmup()
@@ -321,8 +324,11 @@ class EvenKVAttnBackend(AttentionBackend):
         # SGLang's layout: the cache holds the prefix (and, once written, the new tokens);
         # the new tokens' K/V come row-aligned with q. Without k/v (shared KV) the new
         # tokens are read back from the cache.
-        k_new = k.reshape(-1, self.num_kv_heads, d)[:n] if k is not None else None
-        v_new = v.reshape(-1, self.num_kv_heads, d)[:n] if v is not None else None
+        # Deterministic mode reads the new tokens back from the cache too (they were just
+        # written): then a prompt's tiles do not depend on how it was chunked.
+        from_cache = k is None or (save_kv_cache and self.attention.deterministic)
+        k_new = None if from_cache else k.reshape(-1, self.num_kv_heads, d)[:n]
+        v_new = None if from_cache else v.reshape(-1, self.num_kv_heads, d)[:n]
         _run(self.attention, meta.plan, q3[:n], k_cache, v_cache, out3[:n], k_new, v_new, layer.scaling)
         return out.view(-1, hq * d)
 

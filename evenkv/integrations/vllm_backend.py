@@ -62,13 +62,14 @@ _CACHE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _FLAG_REASONS = {
     "has_sliding_window": "sliding-window attention is not supported: the decode kernel applies no window yet",
     "use_non_causal": "non-causal (bidirectional) decoder attention is not supported",
-    "use_batch_invariant": "batch-invariant mode is not supported yet (evenkv's deterministic split is not wired)",
     "use_pcp": "prefill context parallelism is not supported",
     "use_dcp": "decode context parallelism is not supported: evenkv returns no LSE for the cross-rank merge",
     "use_adaptive_verification": "adaptive verification is not supported: evenkv plans from the host query lengths",
     "use_rswa": "reference sliding-window attention (R-SWA) is not supported",
 }
-_ACCEPTED_FLAGS = ("use_kv_connector",)  # KV connectors move whole blocks; the layout is vLLM's standard NHD
+# KV connectors move whole blocks (the layout is vLLM's standard NHD); batch-invariant mode
+# selects evenkv's deterministic decode (the builder reads vLLM's switch).
+_ACCEPTED_FLAGS = ("use_kv_connector", "use_batch_invariant")
 
 
 def _supported_head_dims() -> tuple[int, ...]:
@@ -140,6 +141,10 @@ class EvenKVBackend(AttentionBackend):
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
         return capability is None or (capability.major, capability.minor) >= MIN_COMPUTE_CAPABILITY
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return True  # VLLM_BATCH_INVARIANT=1 runs evenkv's deterministic decode
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
@@ -265,7 +270,9 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         self.attention = Attention(
             num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, kv_cache_spec.dtype, device,
             max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-            policy=policy, prefill_kernel=vllm_flash_attention(device))
+            policy=policy, prefill_kernel=vllm_flash_attention(device),
+            deterministic=True if vllm_batch_invariant() else None,
+            max_total_tokens=kv_pool_tokens(vllm_config))
         logger.info("evenkv: %d attention layer(s) of this KV-cache group decode on evenkv's balanced kernels; "
                     "their prefill and extend rows run on %s", len(layer_names), self.attention.prefill_reason)
 
@@ -299,6 +306,20 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             raise RuntimeError(f"evenkv: vLLM asked for a full CUDA graph of a batch with {metadata.num_prefills} "
                                "non-decode requests; this backend declares UNIFORM_SINGLE_TOKEN_DECODE")
         return metadata
+
+
+def kv_pool_tokens(vllm_config) -> int:
+    """Tokens the KV cache holds (vLLM sets num_gpu_blocks before it builds the backends), or
+    2**21 where it is not known yet."""
+    cache = vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else 1 << 21
+
+
+def vllm_batch_invariant() -> bool:
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1)."""
+    import vllm.envs
+
+    return bool(getattr(vllm.envs, "VLLM_BATCH_INVARIANT", False))
 
 
 def kv_cache_slot_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,3 +8,5 @@ PAGE_OUT_OF_RANGE = tl.constexpr(1)
 SLOT_OUT_OF_RANGE = tl.constexpr(2)
 LENGTH_OUT_OF_RANGE = tl.constexpr(4)
 QUERY_OUT_OF_RANGE = tl.constexpr(8)
+# Not bad data: deterministic decode met a batch of more tokens than its workspace holds.
+INVARIANCE_LOST = tl.constexpr(16)

@@ -714,3 +714,25 @@ def test_prefill_backend_beside_torch_native_decode(lane):
     out = hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
                          world.randn(t, world.hkv, world.d), layer, fb)
     assert out.shape == (t, world.hq * world.d) and torch.isfinite(out).all()
+
+
+def test_deterministic_inference(lane):
+    """--enable-deterministic-inference accepts evenkv and selects its deterministic decode;
+    extend batches then read the new tokens back from the cache (chunking-invariant)."""
+    from sglang.srt import server_args as sa
+
+    plugin.register()
+    assert plugin.NAME in sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+    assert plugin.NAME in sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND
+    with get_context().override_server_args(enable_deterministic_inference=True):
+        world = World(1, *lane)
+        backend = world.backend()
+    assert backend.attention.deterministic and backend.attention.decode.deterministic
+    prefix, new = [0, 6], [9, 4]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    t = sum(new)
+    out = backend.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
+                          world.randn(t, world.hkv, world.d), world.layers[0], fb)
+    assert torch.isfinite(out).all()

@@ -150,13 +150,25 @@ def test_validate_configuration_on_sm80_and_sm75():
     ({"attn_type": "encoder_only"}, "attention type encoder_only"),
     ({"has_sliding_window": True}, "sliding-window"),
     ({"use_non_causal": True}, "non-causal"),
-    ({"use_batch_invariant": True}, "batch-invariant"),
     ({"use_pcp": True}, "prefill context parallelism"),
 ])
 def test_validate_configuration_refuses_with_reason(overrides, needle):
     reasons = EvenKVBackend.validate_configuration(**_selector_kwargs(**overrides))
     assert len(reasons) == 1, reasons
     assert needle in reasons[0]
+
+
+def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, monkeypatch):
+    """vLLM's batch-invariant mode is accepted (the backend declares it) and makes the
+    builder's Attention deterministic: batch-invariant decode, prefill on the Triton kernel."""
+    import vllm.envs
+
+    assert EvenKVBackend.supports_batch_invariance()
+    assert EvenKVBackend.validate_configuration(**_selector_kwargs(use_batch_invariant=True)) == []
+    monkeypatch.setattr(vllm.envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+    assert builder.attention.deterministic and builder.attention.decode.deterministic
+    assert builder.attention.prefill_kernel is None
 
 
 def test_validate_configuration_returns_every_reason():

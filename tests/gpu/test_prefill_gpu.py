@@ -51,3 +51,20 @@ def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes)
     for out in outs.values():
         assert_tolerance(out, ref, lowp, dtype)
     evenkv.check_errors()
+
+
+@pytest.mark.parametrize("chunks", [4])
+def test_chunked_prefill_bitwise_invariant(chunks):
+    """An 8K-token prompt prefilled at once or in 4 chunks of 2K (vLLM's layout, evenkv's Triton
+    extend kernel, as deterministic mode runs it): the same bits at every query position."""
+    hq, hkv, d, ps, n = 32, 4, 128, 16, 8192
+    batch = make_batch([n], [0], hq, hkv, d, ps, torch.bfloat16, "cuda", seed=9)
+    args = dict(k_cache=batch["k_cache"], v_cache=batch["v_cache"], page_table=batch["page_table"], page_size=ps)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    one = evenkv.extend(batch["q"], cu_seqlens_q=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
+                        max_q_len=n, **args)
+    c = n // chunks
+    for i in range(chunks):
+        part = evenkv.extend(batch["q"][i * c:(i + 1) * c], cu_seqlens_q=torch.tensor([0, c], **i32),
+                             seq_lens=torch.tensor([(i + 1) * c], **i32), max_q_len=c, **args)
+        assert torch.equal(part, one[i * c:(i + 1) * c]), f"chunk {i}"
