@@ -138,7 +138,8 @@ class DecodeAttention:
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
-                                torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32), self.num_ctas)
+                                torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32),
+                                torch.zeros(b + 1, **i32), torch.zeros(1, **i32), self.num_ctas)
         return None
 
     def _partial_slots(self) -> int:
@@ -195,7 +196,8 @@ class DecodeAttention:
                                                lens, t["page_table"], torch.zeros(1, 2, **i32), cta_start, scalars,
                                                1.0, 1, self.page_size, config, pdl, warmup=True)
         if merge and self._kind == "units":
-            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, self.num_kv_heads, warmup=True)
+            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, self.num_kv_heads, 1,
+                                      warmup=True)
         return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
                                           t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), 1.0,
                                           1, self._kind == "units", self.page_size, config, warmup=True)
@@ -325,7 +327,8 @@ class DecodeAttention:
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,
                                        s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,
                                        self.page_size, plan.config)
-            launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base, hkv)
+            launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base,
+                                      s.merge_list, s.merge_count, hkv, s.num_ctas)
         else:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,

@@ -66,7 +66,9 @@ class UnitSchedule:
     """``fa3`` and ``deterministic`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
     split unit_split[j] ([U] int32 each). Per request ([B] int32): req_splits,
     req_tiles_per_split, req_split_base (index of its first split among all splits).
-    num_units [1] int32 = Hkv * total splits; num_ctas: the persistent grid."""
+    num_units [1] int32 = Hkv * total splits; merge_list [B + 1] int32: the requests of more
+    than one split (merge_count [1] int32 of them; entry B is scratch); num_ctas: the
+    persistent grid."""
 
     unit_req: torch.Tensor
     unit_split: torch.Tensor
@@ -74,6 +76,8 @@ class UnitSchedule:
     req_tiles_per_split: torch.Tensor
     req_split_base: torch.Tensor
     num_units: torch.Tensor
+    merge_list: torch.Tensor
+    merge_count: torch.Tensor
     num_ctas: int
 
 
@@ -159,6 +163,13 @@ def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, 
     sched.req_splits[:batch].copy_(splits)
     sched.req_tiles_per_split[:batch].copy_(tiles_per_split)
     sched.req_split_base[:batch].index_copy_(0, order, split_begin)
+    # The requests the merge kernel visits, compacted in request order (the others write to
+    # scratch entry B, which is never read).
+    multi = splits > 1
+    rank = torch.cumsum(multi, 0, dtype=torch.int32) - 1
+    where = torch.where(multi, rank, batch).to(torch.int64)
+    sched.merge_list.scatter_(0, where, torch.arange(batch, device=tiles.device, dtype=torch.int32))
+    sched.merge_count.copy_(multi.sum(dtype=torch.int32).reshape(1))
     j = torch.arange(sched.unit_req.shape[0], device=tiles.device, dtype=torch.int32)
     rank = torch.searchsorted(split_end, j, right=True).clamp_(max=batch - 1)
     sched.unit_req.copy_(order[rank])

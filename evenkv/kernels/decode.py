@@ -494,19 +494,20 @@ def decode_units_kernel(
 
 @triton.jit
 def merge_units_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr,
+    o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr, merge_list_ptr, merge_count_ptr,
     stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Grid (B * Hkv, row chunks): merge the splits of a request that has more than
-    one; split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h."""
-    seg = tl.program_id(0)
-    row0 = tl.program_id(1) * ROWS
-    b = seg // NUM_KV_HEADS
-    h = seg % NUM_KV_HEADS
-    num_splits = tl.load(req_splits_ptr + b)
-    if num_splits > 1:
+    """Persistent grid: merge the splits of the requests that have more than one, listed in
+    ``merge_list`` ([>= merge_count] int32). Item i is row i % G of KV head (i // G) % Hkv of
+    request merge_list[i // (G * Hkv)]; split k of (b, h) is at slot (req_split_base[b] + k)
+    * Hkv + h. A batch whose requests all have one split launches programs that find no item."""
+    items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * G)
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        b = tl.load(merge_list_ptr + item // (NUM_KV_HEADS * G))
+        h = (item // G) % NUM_KV_HEADS
+        num_splits = tl.load(req_splits_ptr + b)
         base = tl.load(req_split_base_ptr + b)
-        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0, 0, base, num_splits,
+        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, item % G, 0, base, num_splits,
                       NUM_KV_HEADS, h, 0, G, HEAD_DIM, ROWS, BLOCK_D, BLOCK_P)

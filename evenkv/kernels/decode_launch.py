@@ -51,9 +51,8 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
 
 
 def merge_units_constants(group_size: int, head_dim: int) -> dict:
-    """The units merge gives each program one of a segment's G query rows (a request of
-    many splits gets G programs per KV head) and reduces [BLOCK_P partials, 1, head dim]
-    tiles of MERGE_TILE elements."""
+    """The units merge takes one query row per item (a request of many splits is G items
+    per KV head) and reduces [BLOCK_P partials, 1, head dim] tiles of MERGE_TILE elements."""
     block_d = triton.next_power_of_2(head_dim)
     return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d))
 
@@ -170,12 +169,14 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, pa
         PERSISTENT=persistent, num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
-def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, num_kv_heads: int, warmup: bool = False):
-    batch, num_q_heads, head_dim = out.shape
-    group = num_q_heads // num_kv_heads
+def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count, num_kv_heads: int,
+                       grid: int, warmup: bool = False):
+    """Persistent merge over ``grid`` programs of the requests in merge_list [B] int32
+    (merge_count [1] int32 of them; see ``merge_units_kernel``)."""
+    group, head_dim = out.shape[1] // num_kv_heads, out.shape[2]
     return launch_or_compile(
-        merge_units_kernel, (batch * num_kv_heads, group), warmup,
-        o_part, lse_part, out, req_splits, req_split_base, out.stride(0), out.stride(1),
+        merge_units_kernel, (grid,), warmup,
+        o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count, out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, num_warps=MERGE_NUM_WARPS, **merge_units_constants(group, head_dim))
 
 

@@ -60,14 +60,15 @@ def test_no_compilation_after_warmup(compiles, page_size, new_tokens):
         batch = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
         cols = int(torch.randint(1, width + 1, (1,), generator=gen))
         decodes = batch if step % 3 == 0 else int(torch.randint(0, batch + 1, (1,), generator=gen))
-        q_lens = [1] * decodes + torch.randint(1, 65, (batch - decodes,), generator=gen).tolist()
+        q_lens = [1] * decodes + torch.randint(1, min(65, cols * page_size + 1), (batch - decodes,),
+                                               generator=gen).tolist()
         total = sum(q_lens)
         if total > q.shape[0]:
             continue
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         dtype = torch.int64 if step % 2 else torch.int32
-        seq_lens = (torch.tensor(q_lens) + torch.randint(0, cols * page_size - 64, (batch,), generator=gen))
-        seq_lens = seq_lens.clamp(max=cols * page_size).to(dtype).cuda()
+        prefix = torch.randint(0, cols * page_size + 1, (batch,), generator=gen)
+        seq_lens = (torch.tensor(q_lens) + prefix).clamp(max=cols * page_size).to(dtype).cuda()
         plan = attn.plan(cu, seq_lens, tables[:batch, :cols], num_decodes=decodes, max_q_len=max(q_lens))
         attn.run(plan, q[:total], k_cache, v_cache, out=out[:total], k_new=kn[:total] if new_tokens else None,
                  v_new=vn[:total] if new_tokens else None)

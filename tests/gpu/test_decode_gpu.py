@@ -152,7 +152,9 @@ def test_deterministic_batch_invariance_50_batches():
     gen = torch.Generator().manual_seed(4)
     pool_lens = [100_000] + [int(x) for x in torch.randint(1, 20_000, (511,), generator=gen)]
     q, k, v, seq_lens, pt = build(pool_lens, 16, seed=5)
-    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 512, pt.shape[1], deterministic=True)
+    # The workspace is sized from the pool's tokens, as the engines size it.
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 512, pt.shape[1], deterministic=True,
+                                  max_total_tokens=k.shape[0])
     plan = attn.plan(seq_lens[:1], pt[:1])
     want = attn.run(plan, q[:1], k, v)[0].clone()
     check_sample(attn.run(plan, q[:1], k, v), q[:1], k, v, seq_lens[:1], pt[:1], 16, [0])

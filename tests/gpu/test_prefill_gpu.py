@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import evenkv
+import evenkv.errors
 from evenkv.integrations.prefill import vllm_flash_attention
 from test_extend import assert_tolerance, make_batch, reference_pair
 
@@ -33,6 +34,7 @@ def _no_tf32():
 @pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("num_decodes", [0, 40])
 def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes):
+    evenkv.errors.error_flag("cuda").zero_()
     hq, hkv, d, dtype = 32, 4, 128, torch.bfloat16
     gen = torch.Generator().manual_seed(page_size + num_decodes)
     q_lens = [1] * num_decodes + [2048, 300, 7, 1000]

@@ -62,7 +62,7 @@ def check_heads(out, q, k, v, seq_lens, pt, page_size, rows, kv_heads):
 
 def decode_once(policy, deterministic, q, k, v, seq_lens, pt, page_size, max_batch, **kw):
     attn = evenkv.DecodeAttention(q.shape[1], k.shape[1], q.shape[2], page_size, q.dtype, "cuda", max_batch,
-                                  pt.shape[1], policy, deterministic=deterministic, **kw)
+                                  pt.shape[1], policy, deterministic=deterministic, max_total_tokens=k.shape[0], **kw)
     plan = attn.plan(seq_lens, pt)
     return attn.run(plan, q, k, v)
 
