@@ -6,16 +6,17 @@
 # different versions of shared packages.
 #
 #   bash tests/run.sh            # all lanes
-#   bash tests/run.sh core       # one lane: core | vllm | sglang
+#   bash tests/run.sh core       # one lane: core | vllm | vllm-0.33 | sglang | sglang-0.5.23
 #
-# Venvs go in the checkout (core ~1.7 GB, vllm ~2.8 GB, sglang ~2.2 GB); EVENKV_VENVS=DIR
-# puts them in DIR instead. The GPU lanes are separate: `pytest -m gpu tests/gpu` on a CUDA
+# The engine lanes run the oldest and the newest engine release the extras allow (vLLM 0.26.0
+# and 0.33.0, SGLang 0.5.17 and 0.5.23). Venvs go in the checkout (core ~1.8 GB, each vLLM
+# ~2.9 GB, each SGLang ~2.3 GB); EVENKV_VENVS=DIR puts them in DIR instead. The GPU lanes are separate: `pytest -m gpu tests/gpu` on a CUDA
 # machine, tests/sanitizer/run.sh and tests/e2e/*.sh on the device.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 VENVS=${EVENKV_VENVS:-.}
-LANES=${*:-core vllm sglang}
+LANES=${*:-core vllm vllm-0.33 sglang sglang-0.5.23}
 step() { echo "[tests/run.sh $(date +%H:%M:%S)] $*"; }
 
 for lane in $LANES; do
@@ -33,19 +34,23 @@ for lane in $LANES; do
       step "pytest (kernels under the interpreter: about 2 minutes)"
       "$venv/bin/python" -m pytest -q tests --ignore=tests/engines
       ;;
-    vllm)
-      step "vLLM lane: venv $VENVS/.venv-vllm"
-      bash tests/envs/vllm.sh "$VENVS/.venv-vllm"
-      step "pytest tests/engines/test_vllm_integration.py"
-      CUDA_VISIBLE_DEVICES= "$VENVS/.venv-vllm/bin/python" -m pytest -q tests/engines/test_vllm_integration.py
+    vllm|vllm-0.33)
+      venv=$VENVS/.venv-$lane
+      version=$([ "$lane" = vllm ] && echo 0.26.0 || echo 0.33.0)
+      step "vLLM $version lane: venv $venv"
+      VLLM_VERSION=$version bash tests/envs/vllm.sh "$venv"
+      step "pytest tests/engines/test_vllm_integration.py (vLLM $version)"
+      CUDA_VISIBLE_DEVICES= "$venv/bin/python" -m pytest -q tests/engines/test_vllm_integration.py
       ;;
-    sglang)
-      step "SGLang lane: venv $VENVS/.venv-sglang"
-      bash tests/envs/sglang.sh "$VENVS/.venv-sglang"
-      step "pytest tests/engines/test_sglang_integration.py"
-      "$VENVS/.venv-sglang/bin/python" -m pytest -q tests/engines/test_sglang_integration.py
+    sglang|sglang-0.5.23)
+      venv=$VENVS/.venv-$lane
+      version=$([ "$lane" = sglang ] && echo 0.5.17 || echo 0.5.23)
+      step "SGLang $version lane: venv $venv"
+      EVENKV_SGLANG_VERSION=$version bash tests/envs/sglang.sh "$venv"
+      step "pytest tests/engines/test_sglang_integration.py (SGLang $version)"
+      "$venv/bin/python" -m pytest -q tests/engines/test_sglang_integration.py
       ;;
-    *) echo "unknown lane: $lane (core | vllm | sglang)" >&2; exit 2 ;;
+    *) echo "unknown lane: $lane (core | vllm | vllm-0.33 | sglang | sglang-0.5.23)" >&2; exit 2 ;;
   esac
   step "$lane lane passed in $((SECONDS - t0)) s"
 done

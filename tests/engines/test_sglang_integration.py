@@ -716,6 +716,16 @@ def test_prefill_backend_beside_torch_native_decode(lane):
     assert out.shape == (t, world.hq * world.d) and torch.isfinite(out).all()
 
 
+class _WithFlags:
+    """Server args with some fields set, the rest read through from the real ones."""
+
+    def __init__(self, args, **flags):
+        self.__dict__.update(_args=args, **flags)
+
+    def __getattr__(self, name):
+        return getattr(self._args, name)
+
+
 def test_deterministic_inference(lane):
     """--enable-deterministic-inference accepts evenkv and selects its deterministic decode;
     extend batches then read the new tokens back from the cache (chunking-invariant)."""
@@ -724,9 +734,11 @@ def test_deterministic_inference(lane):
     plugin.register()
     assert plugin.NAME in sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES
     assert plugin.NAME in sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND
-    with get_context().override_server_args(enable_deterministic_inference=True):
-        world = World(1, *lane)
-        backend = world.backend()
+    world = World(1, *lane)
+    # What the model runner holds when the server ran with --enable-deterministic-inference.
+    # A view, not a test override: SGLang 0.5.23's override_server_args drops this field.
+    world.runner.server_args = _WithFlags(world.runner.server_args, enable_deterministic_inference=True)
+    backend = world.backend()
     assert backend.attention.deterministic and backend.attention.decode.deterministic
     prefix, new = [0, 6], [9, 4]
     reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
