@@ -46,6 +46,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.runtime_context import get_parallel
 
 from evenkv.attention import Attention, AttentionPlan
+from evenkv.errors import ErrorWatcher
 from evenkv.integrations.prefill import sglang_flash_attention
 
 logger = logging.getLogger("evenkv")
@@ -102,6 +103,7 @@ class EvenKVAttnBackend(AttentionBackend):
                                    max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21)
         logger.info("evenkv: every attention layer decodes on evenkv's balanced kernels; prefill and extend run "
                     "on %s", self.attention.prefill_reason)
+        self.errors = ErrorWatcher(self.device)  # polled once per step: logs bad batch data, never syncs
         self._warmup()
         # cu_seqlens_q of every decode batch: request i owns q row i.
         self._decode_cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=self.device)
@@ -153,6 +155,7 @@ class EvenKVAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Eager metadata (host work allowed): plan the batch once for every layer."""
+        self.errors.poll()
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
@@ -218,6 +221,7 @@ class EvenKVAttnBackend(AttentionBackend):
         fixed buffers in place. ``forward_batch`` is a ForwardBatch at capture and a
         SimpleNamespace view at replay (padded: ``batch_size``, ``req_pool_indices``,
         ``seq_lens``, ``seq_lens_cpu``, ``num_padding``)."""
+        self.errors.poll()
         mode = forward_batch.forward_mode
         if not mode.is_decode_or_idle():
             # Prefill graph runners call init_forward_metadata; anything else here is a

@@ -42,6 +42,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 
 from evenkv.configs import graph_capturing
+from evenkv.errors import ErrorWatcher
 from evenkv.integrations.prefill import vllm_flash_attention
 
 if TYPE_CHECKING:
@@ -275,9 +276,11 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             max_total_tokens=kv_pool_tokens(vllm_config))
         logger.info("evenkv: %d attention layer(s) of this KV-cache group decode on evenkv's balanced kernels; "
                     "their prefill and extend rows run on %s", len(layer_names), self.attention.prefill_reason)
+        self.errors = ErrorWatcher(device)  # polled once per step: logs bad batch data, never syncs
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> EvenKVMetadata:
+        self.errors.poll()
         cam = common_attn_metadata
         if cam.causal is not True:
             raise NotImplementedError("evenkv: only causal decoder attention is supported (got a non-causal batch)")

@@ -412,6 +412,33 @@ def test_refuses_speculative_modes_at_metadata(lane):
         backend.init_forward_metadata(fb)
 
 
+def test_bad_page_in_the_request_pool_is_logged_at_a_later_step(lane, caplog):
+    """A slot past the KV pool in req_to_token: the decode reads nothing there, flags it on
+    the device, and the backend's per-step poll logs it (without a sync on the GPU: there it
+    arrives one poll later) and clears the flag."""
+    import logging
+
+    from evenkv import errors
+
+    errors.check_errors(lane[0])  # start clean: earlier tests may have left bits
+    world = World(1, *lane)
+    backend = world.backend()
+    r = world.add_request(8)
+    world.req_pool.req_to_token[r, 2] = world.kv_pool.size + 10**6  # page id = slot at page size 1
+    fb = world.decode_batch([r], [5])
+    backend.init_forward_metadata(fb)
+    out = backend.forward(world.randn(1, world.hq * world.d), world.randn(1, world.hkv, world.d),
+                          world.randn(1, world.hkv, world.d), world.layers[0], fb)
+    assert torch.isfinite(out).all()
+    with caplog.at_level(logging.ERROR, logger="evenkv"):
+        for _ in range(3):
+            backend.init_forward_metadata(world.decode_batch([r], [5]))
+            if lane[0].type == "cuda":
+                torch.cuda.synchronize()
+    assert "page_table: a page id outside the KV cache" in caplog.text
+    assert errors.peek(lane[0]) == []
+
+
 # -- CUDA-graph metadata sequence ----------------------------------------------------------
 
 

@@ -337,6 +337,24 @@ def test_builder_refuses_non_causal(builder, device):
         builder.build(0, cam)
 
 
+def test_builder_logs_bad_batch_data_the_kernels_flagged(builder, device, caplog):
+    """The builder polls evenkv's device-side error flag once per step and logs what a kernel
+    recorded (on the GPU one poll later: the poll never waits), then clears it."""
+    import logging
+
+    from evenkv import errors
+
+    errors.check_errors(device)
+    errors.error_flag(device)[0] = errors.SLOT_OUT_OF_RANGE
+    with caplog.at_level(logging.ERROR, logger="evenkv"):
+        for _ in range(3):
+            builder.build(0, _cam([1, 1], [5, 9], device))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    assert "slot_mapping: a slot >= the KV cache's slots" in caplog.text
+    assert errors.peek(device) == []
+
+
 def test_builder_policy_knob(vllm_config, device, monkeypatch):
     monkeypatch.setenv("EVENKV_POLICY", "fa3")
     b = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
