@@ -10,6 +10,10 @@
 #           time, evenkv vs triton (tests/e2e/sglang_skew_step.py), CUDA graphs on
 #   pytest  the GPU lane of tests/engines/test_sglang_integration.py (realistic SGLang pools, real CUDA
 #           graph replay) plus its CPU-lane tests run on the GPU
+#   server  the operator's path: `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B
+#           attention shape, dummy weights, CUDA graphs), 256 concurrent streaming requests from a localhost
+#           client, stopped by PID; start-up time and Triton compiles after start-up
+#           (benchmarks/serving.py, chat workload)
 # env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
 #      default /tmp/evenkv-sglang-e2e), SGLANG_KIT (default .kits/sglang), MODEL (tiny model dir).
 # Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
@@ -94,12 +98,19 @@ step_pytest() {
   tail -3 "$L/pytest-sglang.log" 2>/dev/null | sed 's/^/   /'
 }
 
+step_server() {
+  (cd "$ROOT" && run_step server 300 200 python3 -m benchmarks.serving sglang --backends evenkv --workloads chat \
+    --out "$L/server" --budget 280 --min-child 200)
+  grep -E "^\| sglang" "$L/server/summary.md" 2>/dev/null | sed 's/^/   /'
+}
+
 for s in ${@:-checks skew pytest}; do
   case $s in
     checks) step_checks ;;
     skew) step_skew ;;
     pytest) step_pytest ;;
-    *) echo "unknown step $s (checks | skew | pytest)"; exit 2 ;;
+    server) step_server ;;
+    *) echo "unknown step $s (checks | skew | pytest | server)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
