@@ -38,3 +38,12 @@ def device() -> torch.device:
     if is_interpreter():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 oracles computed in true fp32 on a GPU (torch may use TF32 for fp32 matmuls)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from evenkv import Attention, ExtendConfig, extend
 from evenkv.kernels import extend_launch
 from evenkv.kernels.reference import extend_reference
+from evenkv.testing import GARBAGE_PAGE
 from helpers import TOLERANCE_FLOOR, aot_compile
 
 # Small tiles so tiny batches still span several query blocks and KV tiles (and so
 # exercise the masked/unmasked tile split); the table's own configs run too.
 SMALL = ExtendConfig("test-m16-n16", block_m=16, block_n=16, num_warps=4, num_stages=2)
 SMALL32 = ExtendConfig("test-m32-n16", block_m=32, block_n=16, num_warps=4, num_stages=2)
-GARBAGE_PAGE = 10**8
 
 
 def make_batch(q_lens, prefixes, hq, hkv, d, page_size, dtype, device, *, new_layout=False, seed=0, scale=1.0):
@@ -431,15 +431,6 @@ def test_sm90_table_config_compiles_without_spills():
 # -- GPU lane: realistic shapes ------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")
-
-
-@pytest.fixture
-def no_tf32():
-    """The fp32 oracle must be real fp32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _gpu_check(batch, ps, dtype, rows=None, **kw):

@@ -12,7 +12,8 @@ import evenkv.errors
 from evenkv.integrations.prefill import vllm_flash_attention
 from test_extend import assert_tolerance, make_batch, reference_pair
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +22,6 @@ def fa():
     if kernel is None:
         pytest.skip("vllm.vllm_flash_attn is not importable here (source the peers or vLLM kit)")
     return kernel
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("page_size", [16, 1])

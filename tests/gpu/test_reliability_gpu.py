@@ -21,26 +21,16 @@ import torch
 
 import evenkv
 from evenkv.kernels.reference import extend_reference
-from evenkv.testing import random_paged_batch
+from evenkv.testing import GARBAGE_PAGE, random_paged_batch
 from test_decode_gpu import capture_plan_run, check_sample
 from test_extend import assert_tolerance
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
 
 HQ, HKV, D = 32, 4, 128  # Qwen3-30B-A3B attention
 VARIANTS = [("balanced", False), ("fa3", False), ("none", False), ("balanced", True)]
 VARIANT_IDS = [f"{p}{'-det' if d else ''}" for p, d in VARIANTS]
-GARBAGE_PAGE = 2**30
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """The fp32 oracles must run in true fp32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def build(lens, page_size, *, hq=HQ, hkv=HKV, d=D, dtype=torch.bfloat16, seed=0, spare_cols=1):

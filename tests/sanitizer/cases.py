@@ -61,6 +61,15 @@ def poison_unused(k, v, seq_lens, pt, page_size):
     return k2, v2
 
 
+def check_decode(attn, q, k, v, seq_lens, pt, host, page_size, label):
+    """Plan and run ``attn`` on the batch; finite, zero for empty rows, close to the host oracle."""
+    out = attn.run(attn.plan(seq_lens, pt), q, k, v)
+    sync()
+    assert torch.isfinite(out).all(), label
+    assert torch.all(out[seq_lens == 0] == 0), label
+    assert_close_to_reference(out.cpu(), *host, page_size)
+
+
 def decode_cases(variants, head_dims=(128, 64), page_sizes=(16, 1)):
     count = 0
     for d in head_dims:
@@ -72,12 +81,7 @@ def decode_cases(variants, head_dims=(128, 64), page_sizes=(16, 1)):
                 for num_ctas in (3, None):  # few CTAs: long cuts; default (SMs x resident): many
                     attn = evenkv.DecodeAttention(HQ, HKV, d, ps, DTYPE, DEV, len(LENS), pt.shape[1], policy,
                                                   deterministic=det, num_ctas=num_ctas)
-                    plan = attn.plan(seq_lens, pt)
-                    out = attn.run(plan, q, kp, vp)
-                    sync()
-                    assert torch.isfinite(out).all(), (policy, det, d, ps, num_ctas)
-                    assert torch.all(out[seq_lens == 0] == 0)
-                    assert_close_to_reference(out.cpu(), *host, ps)
+                    check_decode(attn, q, kp, vp, seq_lens, pt, host, ps, (policy, det, d, ps, num_ctas))
                     print(f"CASE ok decode policy={policy} det={det} d={d} page={ps} ctas={num_ctas}", flush=True)
                     count += 1
     return count
@@ -97,12 +101,7 @@ def sm90_row_cases():
         for num_ctas in (3, None):
             attn = evenkv.DecodeAttention(HQ, HKV, d, ps, DTYPE, DEV, len(LENS), pt.shape[1], "balanced",
                                           config=config, num_ctas=num_ctas, arch="sm90")
-            plan = attn.plan(seq_lens, pt)
-            out = attn.run(plan, q, kp, vp)
-            sync()
-            assert torch.isfinite(out).all(), (config.name, num_ctas)
-            assert torch.all(out[seq_lens == 0] == 0)
-            assert_close_to_reference(out.cpu(), *host, ps)
+            check_decode(attn, q, kp, vp, seq_lens, pt, host, ps, (config.name, num_ctas))
             print(f"CASE ok decode row={config.name} d={d} page={ps} ctas={num_ctas}", flush=True)
             count += 1
     return count
