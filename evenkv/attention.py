@@ -26,12 +26,13 @@ from evenkv.kernels import extend_launch
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
-                     check_tensor, output_like, resolve_device, resolve_sm_scale)
+                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
+                     resolve_kv_dtype, resolve_sm_scale)
 from .configs import ExtendConfig, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode import POLICIES, DecodeAttention, DecodePlan, debug_enabled
 from .errors import error_flag
 from .extend import (SCHEDULES, ExtendPlan, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
-                     normalize_logit_cap, normalize_window, plan_extend, run_extend)
+                     plan_extend, run_extend)
 
 
 class PrefillKernel(Protocol):
@@ -40,17 +41,21 @@ class PrefillKernel(Protocol):
 
     Called once per layer with the batch's extend rows only, causal, every position read
     from the cache (both engines write the new tokens' K/V before attention):
-    q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] (any strides, unit
-    stride in D); cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV length
-    including the new tokens); page_table [E, max_pages] int32; max_q_len, max_seq_len:
-    host bounds; sm_scale: the layer's softmax scale. Writes out rows [0, cu_seqlens_q[E]).
+    q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] in q's dtype (any
+    strides, unit stride in D); cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV
+    length including the new tokens); page_table [E, max_pages] int32; max_q_len,
+    max_seq_len: host bounds; sm_scale: the layer's softmax scale; sliding_window (W or
+    None, ``evenkv.extend``'s convention), logit_cap (c or None) and sinks ([Hq] or None)
+    as the layer has them. Writes out rows [0, cu_seqlens_q[E]).
     """
 
     name: str
+    supports_sinks: bool
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
-                 max_seq_len: int, sm_scale: float) -> None: ...
+                 max_seq_len: int, sm_scale: float, sliding_window: int | None, logit_cap: float | None,
+                 sinks: torch.Tensor | None) -> None: ...
 
 
 PREFILL_ENV = "EVENKV_PREFILL"
@@ -85,11 +90,9 @@ class AttentionPlan:
     """One planned batch: what ``Attention.run`` executes.
 
     batch_size: B. num_decodes: requests [0, num_decodes) (q rows [0, num_decodes)) are
-    decode rows. decode: their plan on the decode kernels, or None (no decode rows, or
-    ``decode_via_extend``: a sliding window or soft-cap, which the decode kernels do not
-    apply, sends them to the extend kernel). extend: the extend kernel's plan for the
-    other rows, or delegated: those rows for the engine's prefill kernel (both None when
-    every request is a decode row on the decode path).
+    decode rows. decode: their plan on the decode kernels, or None (no decode rows).
+    extend: the extend kernel's plan for the other rows, or delegated: those rows for the
+    engine's prefill kernel (both None when every request is a decode row).
     seq_lens [B], page_table [B, max_pages]: the caller's tensors.
     Valid until the ``Attention`` that made it plans again.
     """
@@ -111,14 +114,15 @@ class Attention:
         max_pages_per_request, policy: as ``evenkv.DecodeAttention`` (policy applies to
             the decode rows).
         sm_scale: default softmax scale of ``run`` (1/sqrt(D) if None).
-        sliding_window, logit_cap: as ``evenkv.extend`` (None/0 = off). With either set,
-            decode rows also run in the extend kernel (q_len 1 is a valid extend row).
+        sliding_window, logit_cap: as ``evenkv.extend`` (None/0 = off), for decode and extend rows.
+        kv_dtype: the caches' dtype, None (= dtype) or torch.float8_e4m3fn (``run`` takes its
+            k_scale / v_scale).
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
         prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
-            None for evenkv's Triton extend kernel. Layers with a sliding window or soft-cap,
-            and deterministic mode, keep the Triton kernel (``prefill_reason`` says which runs
-            and why). The page audit still reports bad page ids, but memory safety against
-            them is then the engine kernel's.
+            None for evenkv's Triton extend kernel. An FP8 cache and deterministic mode keep
+            the Triton kernel (``prefill_reason`` says which runs and why). The page audit
+            still reports bad page ids, but memory safety against them is then the engine
+            kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
         decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``, ...).
     """
@@ -126,7 +130,7 @@ class Attention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
-                 schedule: str = "lpt", extend_config: ExtendConfig | None = None,
+                 kv_dtype: torch.dtype | None = None, schedule: str = "lpt", extend_config: ExtendConfig | None = None,
                  prefill_kernel: PrefillKernel | None = None, arch: str | None = None, debug: bool | None = None,
                  **decode_kwargs):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
@@ -145,15 +149,15 @@ class Attention:
         self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
         self.schedule = schedule
         self.arch = resolve_arch(arch, self.device)
         self._extend_config = extend_config
         self.debug = debug_enabled(debug)
-        # The decode kernels apply neither a window nor a soft-cap: such layers decode in extend.
-        self.decode_via_extend = self.sliding_window is not None or self.logit_cap is not None
-        self.decode = None if self.decode_via_extend else DecodeAttention(
+        self.decode = DecodeAttention(
             num_q_heads, num_kv_heads, head_dim, page_size, dtype, self.device, max_batch_size,
-            max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug, **decode_kwargs)
+            max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug,
+            sliding_window=self.sliding_window, logit_cap=self.logit_cap, kv_dtype=self.kv_dtype, **decode_kwargs)
         i32 = dict(dtype=torch.int32, device=self.device)
         self._order = torch.zeros(max_batch_size, **i32)
         self._sorted_start = torch.zeros(max_batch_size, **i32)
@@ -172,9 +176,9 @@ class Attention:
         """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""
         if kernel is None:
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
-        if self.sliding_window is not None or self.logit_cap is not None:
-            return None, (f"evenkv's Triton extend kernel: {kernel.name} is used only for plain causal layers "
-                          "(this one has a sliding window or soft-cap)")
+        if self.kv_dtype != self.dtype:
+            return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, and {kernel.name} reads "
+                          "an FP8 cache only with an FP8 query")
         if self.deterministic:
             return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
                           f"invariant by construction, which {kernel.name}'s is not known to be")
@@ -182,25 +186,25 @@ class Attention:
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               index_dtypes: tuple = INDEX_DTYPES) -> None:
+               sinks: torch.Tensor | None = None, index_dtypes: tuple = INDEX_DTYPES) -> None:
         """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
         for tensors laid out like these (dtypes, strides, alignment), whatever the batch: the
         decode kernels (``DecodeAttention.warmup``), the page audit, and the extend plan and
         extend kernels of every extend config a batch can pick (``configs.extend_configs``),
         with new tokens in ``k_new``/``v_new`` iff they are given (SGLang) or read from the
-        cache (vLLM). Lengths may come in each dtype of ``index_dtypes``. Engines call it once,
-        when they first hold these tensors; after it no batch compiles a kernel.
+        cache (vLLM), with sinks iff ``sinks`` is given. Lengths may come in each dtype of
+        ``index_dtypes``. Engines call it once, when they first hold these tensors; after it no
+        batch compiles a kernel.
 
         Shapes as ``run``'s. Under the Triton interpreter nothing is compiled.
         """
         with parallel_compiles():
-            self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, index_dtypes)
+            self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, sinks, index_dtypes)
         self.warmed_up = True
 
-    def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, index_dtypes) -> None:
-        if self.decode is not None:
-            self.decode.warmup(q, as_slots("k_cache", k_cache), as_slots("v_cache", v_cache), out=out,
-                               index_dtypes=index_dtypes)
+    def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, sinks, index_dtypes) -> None:
+        self.decode.warmup(q, as_slots("k_cache", k_cache), as_slots("v_cache", v_cache), out=out, sinks=sinks,
+                           index_dtypes=index_dtypes)
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
@@ -220,7 +224,7 @@ class Attention:
                     self._errors, num_programs_bound=1, req_begin=0, max_q_len=1, page_size=self.page_size,
                     sm_scale=self.sm_scale, causal=True, window=self.sliding_window, logit_cap=self.logit_cap,
                     block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
-                    num_stages=config.num_stages, warmup=True)
+                    num_stages=config.num_stages, sinks=sinks, warmup=True)
 
     def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
              num_decodes: int, max_q_len: int, max_seq_len: int | None = None,
@@ -253,7 +257,7 @@ class Attention:
             if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
                 raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
                                  f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
-        use_decode = num_decodes > 0 and not self.decode_via_extend
+        use_decode = num_decodes > 0
         decode_plan = None
         if use_decode:
             decode_plan = self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes],
@@ -282,18 +286,19 @@ class Attention:
 
     def run(self, plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            sm_scale: float | None = None) -> torch.Tensor:
+            sm_scale: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """Attention for the batch ``plan`` describes (this object's latest plan).
 
         q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0, num_decodes)
             are the decode rows.
         k_cache, v_cache: [num_slots, Hkv, D] (any strides, unit stride in D) or
             [num_pages, page_size, Hkv, D] when that views as slots (the decode kernel
-            addresses slots).
+            addresses slots), of ``kv_dtype``.
         k_new, v_new: None or [total_q, Hkv, D], as ``evenkv.extend`` (used by the extend
             rows; decode rows always read the cache, which must then hold their token).
         out: optional [total_q, Hq, D]. sm_scale: this call's (a layer's) softmax scale,
-            default the constructor's.
+            default the constructor's. sinks, k_scale, v_scale: as ``DecodeAttention.run``.
         Returns out; rows past cu_seqlens_q[-1] are not written.
         """
         if not isinstance(plan, AttentionPlan):
@@ -306,10 +311,10 @@ class Attention:
         total_q = q.shape[0]
         if total_q < plan.num_decodes:
             raise ValueError(f"q: expected at least num_decodes={plan.num_decodes} rows, got {total_q}")
-        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.dtype, device=self.device)
+        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device)
         if k_cache.shape[-2:] != (hkv, d):
             raise ValueError(f"k_cache: expected [..., Hkv={hkv}, D={d}], got shape {tuple(k_cache.shape)}")
-        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.dtype, device=self.device,
+        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device,
                     shape=tuple(k_cache.shape))
         if (k_new is None) != (v_new is None):
             raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
@@ -319,7 +324,7 @@ class Attention:
                          last_dim_contiguous=True)
             check_tensor("v_new", v_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
                          last_dim_contiguous=True)
-        scale = self.sm_scale if sm_scale is None else resolve_sm_scale(sm_scale, d)
+        terms = self.decode.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if plan.batch_size == 0 or total_q == 0:
             return out
@@ -335,16 +340,18 @@ class Attention:
         if plan.decode is not None:
             nd = plan.num_decodes
             self.decode.run_unchecked(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
-                                      out[:nd], scale)
+                                      out[:nd], terms)
         if ext is not None:
-            run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=True,
-                       sliding_window=self.sliding_window, logit_cap=self.logit_cap)
+            run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=terms.sm_scale, causal=True,
+                       sliding_window=self.sliding_window, logit_cap=self.logit_cap, sinks=terms.sinks,
+                       k_scale=terms.k_scale, v_scale=terms.v_scale)
         if plan.delegated is not None:
             d = plan.delegated
             self.prefill_kernel(q[d.first_row:], as_pages(k_cache, self.page_size), as_pages(v_cache, self.page_size),
                                 out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q, seq_lens=d.seq_lens,
                                 page_table=d.page_table, max_q_len=d.max_q_len, max_seq_len=d.max_seq_len,
-                                sm_scale=scale)
+                                sm_scale=terms.sm_scale, sliding_window=self.sliding_window,
+                                logit_cap=self.logit_cap, sinks=terms.sinks)
         return out
 
 

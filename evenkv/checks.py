@@ -15,6 +15,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# KV caches may also hold FP8 (e4m3) with a per-tensor scale: real value = stored * scale.
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple | None = None,
@@ -72,6 +75,72 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale: expected a finite scale > 0, got {sm_scale}")
     return float(sm_scale)
+
+
+def resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: ``dtype`` (q's) when ``kv_dtype`` is None, else ``kv_dtype`` checked
+    to be ``dtype`` itself or an FP8 dtype of FP8_KV_DTYPES."""
+    if kv_dtype is None:
+        return dtype
+    if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES:
+        raise TypeError(f"kv_dtype: expected None, {dtype} (q's dtype) or "
+                        f"{' or '.join(map(str, FP8_KV_DTYPES))}, got {kv_dtype}")
+    return kv_dtype
+
+
+def check_fp8_capable(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """An FP8 cache on a GPU needs compute capability 8.9 or newer: Triton converts e4m3
+    only there (an A100 cannot widen it)."""
+    if kv_dtype in FP8_KV_DTYPES and device.type == "cuda" and not is_interpreter():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_dtype: {kv_dtype} needs a GPU of compute capability 8.9 or newer, got "
+                             f"{capability[0]}.{capability[1]}")
+
+
+def check_kv_scale(name: str, value) -> float:
+    """A per-tensor KV dequantization scale (real = stored * scale): a finite host float > 0.
+    A tensor is refused: reading it would sync the host with the GPU on every call."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a host float (real value = stored value x {name}), got "
+                        f"{type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
+    return float(value)
+
+
+def check_sinks(sinks, num_q_heads: int, device: torch.device) -> torch.Tensor | None:
+    """None, or the per-query-head sink logits [Hq] (float32/bfloat16/float16, contiguous, on
+    ``device``): each adds exp(sink) to its head's softmax denominator (gpt-oss)."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, shape=(num_q_heads,), dtypes=SINK_DTYPES, device=device)
+    if num_q_heads > 1 and sinks.stride(0) != 1:
+        raise ValueError(f"sinks: expected a contiguous [Hq={num_q_heads}] tensor, got stride {sinks.stride()}")
+    return sinks
+
+
+def normalize_window(sliding_window) -> int | None:
+    """None or 0 -> None (no window); int W >= 1 -> W: a query at position p sees keys
+    [p - W + 1, p] (``evenkv.extend`` documents the engines' conventions)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window: expected None or int, got {type(sliding_window).__name__}")
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window: expected None, 0 (no window) or a window W >= 1, got {sliding_window}")
+    return sliding_window or None
+
+
+def normalize_logit_cap(logit_cap) -> float | None:
+    """None or 0 -> None (no cap); c > 0 -> float(c)."""
+    if logit_cap is None:
+        return None
+    if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)):
+        raise TypeError(f"logit_cap: expected None or float, got {type(logit_cap).__name__}")
+    if not math.isfinite(logit_cap) or logit_cap < 0:
+        raise ValueError(f"logit_cap: expected None, 0 (no cap) or a finite cap > 0, got {logit_cap}")
+    return float(logit_cap) or None
 
 
 def check_page_table(page_table, batch: int, device: torch.device) -> torch.Tensor:

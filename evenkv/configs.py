@@ -157,19 +157,34 @@ _DECODE_MANY_SEGMENTS = {
 }
 
 
-def decode_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig:
-    """The decode config of ``arch`` for ``head_dim`` and ``page_size``."""
+# An FP8 cache is widened to fp16 in registers after its (half-size) tiles arrive: the
+# conversions need registers the bf16 rows' caps do not leave (the many-segments rows spill
+# in the tile loop), and half-size tiles want longer ones (docs/tuning.md "Decode, FP8
+# caches"). Rows not listed here use the main table's.
+_DECODE_FP8 = {
+    "sm90": {
+        "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=3,
+                             max_registers=168, programmatic_launch=True),
+    },
+}
+
+
+def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache)."""
     key = head_dim_class(head_dim)
+    if kv_fp8 and key in _DECODE_FP8.get(check_arch(arch), {}):
+        return _DECODE_FP8[arch][key]
     if page_size >= PAGED_MIN_PAGE and key in _DECODE_PAGED.get(check_arch(arch), {}):
         return _DECODE_PAGED[arch][key]
     return _DECODE[arch][key]
 
 
-def many_segments_config(arch: str, head_dim: int, page_size: int) -> DecodeConfig | None:
+def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False) -> DecodeConfig | None:
     """The balanced policy's config for batches of many short segments, or None where the
-    main row serves every batch (sm80, head dim 256, head dim 128 at page size < 16)."""
+    main row serves every batch (sm80, head dim 256, head dim 128 at page size < 16, an FP8
+    cache)."""
     min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(head_dim_class(head_dim), (None, None))
-    return config if config is not None and page_size >= min_page else None
+    return config if config is not None and page_size >= min_page and not kv_fp8 else None
 
 
 # ----------------------------------------------------------------------------- extend

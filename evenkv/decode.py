@@ -19,8 +19,9 @@ import torch
 from evenkv.kernels import decode_launch as launch
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
-                     check_page_table, check_policy, check_positive_int, check_tensor, output_like, resolve_device,
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout,
+                     check_batch_limits, check_fp8_capable, check_kv_scale, check_page_table, check_policy, check_positive_int, check_sinks,
+                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, env_flag, is_interpreter,
                       many_segments_config, resolve_arch, sm_count)
@@ -44,7 +45,7 @@ class DecodeAttention:
         num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv; G = Hq / Hkv).
         head_dim: D, one of 64, 80, 96, 128, 256.
         page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks).
-        dtype: torch.float16 or torch.bfloat16 (q, caches and output).
+        dtype: torch.float16 or torch.bfloat16 (q and output; the caches too unless kv_dtype).
         device: the CUDA device every workspace lives on (or the CPU under the Triton
             interpreter, ``TRITON_INTERPRET=1``).
         max_batch_size: largest B that ``plan`` accepts; sizes the workspaces.
@@ -64,14 +65,24 @@ class DecodeAttention:
             sizes deterministic mode's partial workspace (one [G, D] fp32 slot per 512
             tokens and KV head, plus one per request). Default: 2**21.
         debug: validate lengths and page indices on the host before each launch (syncs).
+        sliding_window: None or 0 (none), or W >= 1: a request of n tokens attends to its last
+            min(n, W) (the extend convention, ``evenkv.extend``); the plan counts only those
+            tokens' tiles, so time follows the window's bytes.
+        logit_cap: None or 0 (none), or c > 0: scores s * sm_scale become c * tanh(s * sm_scale / c).
+        kv_dtype: the caches' dtype: None (= dtype) or torch.float8_e4m3fn, dequantized in
+            registers with the per-tensor ``k_scale`` / ``v_scale`` that ``run`` takes.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  device, max_batch_size: int, max_pages_per_request: int, policy: str = "balanced", *,
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
-                 max_total_tokens: int = 1 << 21, debug: bool | None = None):
+                 max_total_tokens: int = 1 << 21, debug: bool | None = None, sliding_window: int | None = None,
+                 logit_cap: float | None = None, kv_dtype: torch.dtype | None = None):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
+        self.sliding_window = normalize_window(sliding_window)
+        self.logit_cap = normalize_logit_cap(logit_cap)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
         check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
         check_policy(policy, POLICIES)
         if num_ctas is not None:
@@ -95,9 +106,11 @@ class DecodeAttention:
         self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
         self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
         self.arch = resolve_arch(arch, self.device)
-        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size)
+        fp8 = self.kv_dtype in FP8_KV_DTYPES
+        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size, fp8)
         self.debug = debug_enabled(debug)
         self._on_gpu = self.device.type == "cuda" and not is_interpreter()
+        check_fp8_capable(self.kv_dtype, self.device)
         self.num_sms = sm_count(self.device)
         # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
         self._pdl_capable = self._on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
@@ -109,7 +122,7 @@ class DecodeAttention:
         # Batches of many short segments: the table's second row and its grid (see launch_config).
         many = None
         if self._kind == "stream" and config is None and num_ctas is None:
-            many = many_segments_config(self.arch, head_dim, page_size)
+            many = many_segments_config(self.arch, head_dim, page_size, fp8)
         self.num_ctas = num_ctas if num_ctas is not None else self._default_grid(self.config)
         self._many = (many, self._default_grid(many)) if many is not None else None
         self._max_ctas = max(self.num_ctas, self._many[1] if self._many else 0)
@@ -174,15 +187,20 @@ class DecodeAttention:
     def _dummy_inputs(self) -> dict:
         """Tensors shaped like a one-request batch (q [1, Hq, D], caches of one page)."""
         dev, d = self.device, self.head_dim
-        cache = torch.zeros(self.page_size, self.num_kv_heads, d, dtype=self.dtype, device=dev)
+        cache = torch.zeros(self.page_size, self.num_kv_heads, d, dtype=self.kv_dtype, device=dev)
         q = torch.zeros(1, self.num_q_heads, d, dtype=self.dtype, device=dev)
         return dict(q=q, k_cache=cache, v_cache=cache, out=torch.empty_like(q),
                     page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))
 
+    def _terms(self, sm_scale: float, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> launch.LayerTerms:
+        return launch.LayerTerms(sm_scale, self.logit_cap, self.sliding_window or 0, sinks, k_scale, v_scale)
+
     def _compile(self, config: DecodeConfig, t: dict, merge: bool = False):
         """Compile (without launching) this policy's decode kernel for ``config`` on tensors
-        laid out like ``t``'s, and with ``merge`` its merge kernel; returns the compiled
-        decode kernel."""
+        laid out like ``t``'s (with sinks iff ``t["sinks"]`` is a tensor), and with ``merge``
+        its merge kernel; returns the compiled decode kernel."""
+        terms = self._terms(1.0, t.get("sinks"))
         i32 = dict(dtype=torch.int32, device=self.device)
         lens = torch.zeros(1, **i32)
         scratch = torch.empty(1, dtype=torch.float32, device=self.device)
@@ -190,30 +208,32 @@ class DecodeAttention:
             pdl = self._use_pdl(config)
             cta_start, scalars = torch.zeros(1, 4, **i32), torch.zeros(4, **i32)
             if merge:
-                launch.launch_merge_stream(scratch, scratch, t["out"], cta_start, scalars, 1, self.num_kv_heads,
+                launch.launch_merge_stream(scratch, scratch, t["out"], cta_start, scalars, terms, 1, self.num_kv_heads,
                                            config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
                                                lens, t["page_table"], torch.zeros(1, 2, **i32), cta_start, scalars,
-                                               1.0, 1, self.page_size, config, pdl, warmup=True)
+                                               terms, 1, self.page_size, config, pdl, warmup=True)
         if merge and self._kind == "units":
-            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, self.num_kv_heads, 1,
-                                      warmup=True)
+            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, terms.sinks,
+                                      self.num_kv_heads, 1, warmup=True)
         return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                          t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), 1.0,
+                                          t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), terms,
                                           1, self._kind == "units", self.page_size, config, warmup=True)
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-               out: torch.Tensor | None = None, index_dtypes: tuple = INDEX_DTYPES) -> None:
+               out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+               index_dtypes: tuple = INDEX_DTYPES) -> None:
         """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
         for tensors laid out like these (dtypes, strides, alignment; any batch size): each
         config's decode and merge kernels, and the plan and page-audit kernels for every
         batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
         specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
 
-        q: [*, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; out: [*, Hq, D] (default: like q).
+        q: [*, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; out: [*, Hq, D] (default: like q);
+        sinks: the [Hq] sinks ``run`` will take, or None.
         Under the Triton interpreter nothing is compiled (the launches are no-ops).
         """
-        t = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out if out is not None else q,
+        t = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out if out is not None else q, sinks=sinks,
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
         configs = [(self.config, self.num_ctas)] + ([self._many] if self._many else [])
         s = self._schedule
@@ -224,11 +244,11 @@ class DecodeAttention:
                 for dtype in index_dtypes:
                     lens = torch.zeros(block_b, dtype=dtype, device=self.device)
                     launch.launch_audit_pages(lens, t["page_table"], self._errors, 1, self.page_size, self.num_sms,
-                                              warmup=True)
+                                              self.sliding_window or 0, warmup=True)
                     for config, ctas in configs if self._kind == "stream" else []:
                         launch.launch_plan_stream(lens, self._plan_seq_lens, s.active_req, s.cta_start,
-                                                  s.plan_scalars, self._errors, 1, ctas, self.num_sms,
-                                                  self.num_kv_heads, config.block_n, warmup=True)
+                                                  s.plan_scalars, self._errors, 1, self.sliding_window or 0, ctas,
+                                                  self.num_sms, self.num_kv_heads, config.block_n, warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
@@ -258,17 +278,19 @@ class DecodeAttention:
         if batch > 0 and self._kind == "stream":
             schedule = self._grid_schedules[ctas]
             launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
-                                      schedule.plan_scalars, self._errors, capacity, ctas, self.num_sms,
-                                      self.num_kv_heads, config.block_n)
+                                      schedule.plan_scalars, self._errors, capacity, self.sliding_window or 0, ctas,
+                                      self.num_sms, self.num_kv_heads, config.block_n)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
             self._errors.bitwise_or_(clamped.to(torch.int32) * LENGTH_OUT_OF_RANGE)
+            # The units are split by the tokens each row sees (a window's last W).
+            visible = plan_seq_lens if self.sliding_window is None else plan_seq_lens.clamp(max=self.sliding_window)
             if self.policy == "fa3":
-                plan_fa3_units(plan_seq_lens, self._schedule, block_n=config.block_n,
+                plan_fa3_units(visible, self._schedule, block_n=config.block_n,
                                num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
             elif self._kind == "units":
-                plan_chunked_units(plan_seq_lens, self._schedule, self._errors, block_n=config.block_n,
+                plan_chunked_units(visible, self._schedule, self._errors, block_n=config.block_n,
                                    num_kv_heads=self.num_kv_heads, lost_bit=INVARIANCE_LOST)
         self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config)
         self._audit_pending = True
@@ -277,41 +299,58 @@ class DecodeAttention:
     # -- run --------------------------------------------------------------------
 
     def run(self, plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-            out: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, sm_scale: float | None = None, sinks: torch.Tensor | None = None,
+            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Decode attention for the batch ``plan`` describes (the last one planned).
 
         q: [B, Hq, D] (dtype of this object; unit stride in D).
-        k_cache, v_cache: [num_slots, Hkv, D], any strides but unit stride in D;
-            slot = page * page_size + offset.
+        k_cache, v_cache: [num_slots, Hkv, D] of ``kv_dtype``, any strides but unit stride in
+            D; slot = page * page_size + offset.
         out: optional [B, Hq, D] output (dtype of q).
         sm_scale: softmax scale of this call (a layer's); default the constructor's.
+        sinks: None or [Hq] float32/bfloat16/float16 sink logits (gpt-oss): head h's softmax
+            denominator gains exp(sinks[h]) (natural log, not scaled by sm_scale).
+        k_scale, v_scale: an FP8 cache's per-tensor dequantization scales (host floats; real =
+            stored * scale); 1.0 for a cache in q's dtype.
         Returns out: [B, Hq, D]; rows of requests with seq_len 0 are zeros.
         """
         self.check_plan(plan)
         b, hq, hkv, d = plan.batch_size, self.num_q_heads, self.num_kv_heads, self.head_dim
         check_tensor("q", q, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
-        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.dtype,), device=self.device,
+        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.kv_dtype,), device=self.device,
                      last_dim_contiguous=True)
-        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.dtype,), device=self.device,
-                     last_dim_contiguous=True)
-        scale = self.sm_scale if sm_scale is None else resolve_sm_scale(sm_scale, d)
+        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.kv_dtype,),
+                     device=self.device, last_dim_contiguous=True)
+        terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if b == 0:
             return out
         if self.debug:
-            check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0])
+            check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0], self.sliding_window)
         if self._audit_pending:
             self.audit_pages(plan.seq_lens, plan.page_table, k_cache.shape[0])
-        return self.run_unchecked(plan, q, k_cache, v_cache, out, scale)
+        return self.run_unchecked(plan, q, k_cache, v_cache, out, terms)
+
+    def layer_terms(self, sm_scale: float | None, sinks: torch.Tensor | None, k_scale: float,
+                    v_scale: float) -> launch.LayerTerms:
+        """``run``'s per-call arguments, checked, as the launchers take them."""
+        scale = self.sm_scale if sm_scale is None else resolve_sm_scale(sm_scale, self.head_dim)
+        sinks = check_sinks(sinks, self.num_q_heads, self.device)
+        k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+        if self.kv_dtype not in FP8_KV_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
+            raise ValueError(f"k_scale, v_scale: a {self.kv_dtype} cache holds real values, so both scales must be "
+                             f"1.0; got {k_scale} and {v_scale} (scales belong to an FP8 cache: kv_dtype="
+                             f"{FP8_KV_DTYPES[0]})")
+        return self._terms(scale, sinks, k_scale, v_scale)
 
     def audit_pages(self, seq_lens: torch.Tensor, page_table: torch.Tensor, num_slots: int) -> None:
         """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
         slots in the error flag (the kernels never dereference them)."""
         launch.launch_audit_pages(seq_lens, page_table, self._errors, num_slots // self.page_size, self.page_size,
-                                  self.num_sms)
+                                  self.num_sms, self.sliding_window or 0)
         self._audit_pending = False
 
-    def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, scale: float) -> torch.Tensor:
+    def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, terms: launch.LayerTerms) -> torch.Tensor:
         """``run`` after its checks and the page audit (``evenkv.Attention`` calls this)."""
         hkv = self.num_kv_heads
         s = plan.schedule
@@ -319,21 +358,21 @@ class DecodeAttention:
             pdl = self._use_pdl(plan.config)
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
                                         plan.seq_lens, plan.page_table, s.active_req, s.cta_start, s.plan_scalars,
-                                        scale, s.num_ctas, self.page_size, plan.config, pdl)
-            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, s.num_ctas,
-                                       hkv, plan.config, pdl)
+                                        terms, s.num_ctas, self.page_size, plan.config, pdl)
+            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, terms,
+                                       s.num_ctas, hkv, plan.config, pdl)
         elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, s.unit_req, s.unit_split, s.req_splits,
-                                       s.req_tiles_per_split, s.num_units, self._queue, scale, s.num_ctas, True,
+                                       s.req_tiles_per_split, s.num_units, self._queue, terms, s.num_ctas, True,
                                        self.page_size, plan.config)
             launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base,
-                                      s.merge_list, s.merge_count, hkv, s.num_ctas)
+                                      s.merge_list, s.merge_count, terms.sinks, hkv, s.num_ctas)
         else:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
                                        plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
-                                       plan.seq_lens, plan.seq_lens, scale, plan.batch_size * hkv, False,
+                                       plan.seq_lens, plan.seq_lens, terms, plan.batch_size * hkv, False,
                                        self.page_size, plan.config)
         return out
 
@@ -358,12 +397,14 @@ def check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
                          f"(max_pages x page_size), got {hi}")
 
 
-def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_slots: int) -> None:
-    """Debug (syncs): every page a request reads ([B, max_pages] table, [B] clamped lengths)
-    must lie inside a cache of ``num_slots`` slots."""
+def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_slots: int,
+                sliding_window: int | None = None) -> None:
+    """Debug (syncs): every page a request reads ([B, max_pages] table, [B] clamped lengths;
+    with a window only its last W tokens') must lie inside a cache of ``num_slots`` slots."""
     num_pages = num_slots // page_size
-    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < \
-        ((seq_lens + page_size - 1) // page_size)[:, None]
+    entry = torch.arange(page_table.shape[1], device=page_table.device)[None, :]
+    first_tok = (seq_lens - sliding_window).clamp(min=0) if sliding_window else torch.zeros_like(seq_lens)
+    used = (entry < ((seq_lens + page_size - 1) // page_size)[:, None]) & (entry >= (first_tok // page_size)[:, None])
     pages = page_table[used]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
         bad = pages[(pages < 0) | (pages >= num_pages)][0].item()
@@ -373,32 +414,43 @@ def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
            page_table: torch.Tensor, page_size: int, *, policy: str = "balanced", sm_scale: float | None = None,
-           out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+           out: torch.Tensor | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+           v_scale: float = 1.0, **kwargs) -> torch.Tensor:
     """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
 
-    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D]; seq_lens [B] int; page_table
-    [B, max_pages] int32. Returns [B, Hq, D]. Serving code should keep one
-    DecodeAttention and reuse it (this allocates workspaces and compiles on first use).
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] (q's dtype or FP8); seq_lens [B] int;
+    page_table [B, max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
+    kwargs as its constructor (sliding_window, logit_cap, ...). Returns [B, Hq, D]. Serving
+    code should keep one DecodeAttention and reuse it (this allocates workspaces and
+    compiles on first use).
     """
     check_tensor("q", q, shape=(None, None, None))
     check_tensor("k_cache", k_cache, shape=(None, None, None))
     check_tensor("page_table", page_table, shape=(None, None))
     attn = DecodeAttention(q.shape[1], k_cache.shape[1], q.shape[2], page_size, q.dtype, q.device,
-                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale, **kwargs)
-    return attn.run(attn.plan(seq_lens, page_table), q, k_cache, v_cache, out=out)
+                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,
+                           kv_dtype=k_cache.dtype if k_cache.dtype in FP8_KV_DTYPES else None, **kwargs)
+    return attn.run(attn.plan(seq_lens, page_table), q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale,
+                    v_scale=v_scale)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new tokens into the paged cache, in place.
 
-    k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D); k_new, v_new: [N, Hkv, D]
-    (any float dtype, cast to the cache's); slot_mapping: [N] int32/int64, slot of each
-    token, negative = skip (padding). A slot >= num_slots is not written and sets the
-    device's error flag (``evenkv.check_errors``); with EVENKV_DEBUG=1 slots are checked on
-    the host first.
+    k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D), float16/bfloat16 or
+    float8_e4m3fn; k_new, v_new: [N, Hkv, D] (float16/bfloat16/float32, cast to the cache's;
+    an FP8 cache stores new / k_scale and new / v_scale, saturated to +-448 and rounded to
+    nearest even); slot_mapping: [N] int32/int64, slot of each token, negative = skip
+    (padding). A slot >= num_slots is not written and sets the device's error flag
+    (``evenkv.check_errors``); with EVENKV_DEBUG=1 slots are checked on the host first.
     """
-    check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
+    check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES + FP8_KV_DTYPES,
+                 last_dim_contiguous=True)
+    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    if k_cache.dtype not in FP8_KV_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(f"k_scale, v_scale: a {k_cache.dtype} cache holds real values, so both scales must be 1.0; "
+                         f"got {k_scale} and {v_scale}")
     dev, (num_slots, hkv, d) = resolve_device(k_cache.device), k_cache.shape
     check_tensor("v_cache", v_cache, shape=(num_slots, hkv, d), dtypes=(k_cache.dtype,), device=dev,
                  last_dim_contiguous=True)
@@ -414,7 +466,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
         hi = int(slot_mapping.max())
         if hi >= num_slots:
             raise ValueError(f"slot_mapping: expected slots < num_slots={num_slots}, got {hi}")
-    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, error_flag(dev))
+    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, error_flag(dev), k_scale, v_scale)
 
 
 def warmup_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

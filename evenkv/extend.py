@@ -13,7 +13,6 @@ plan buffers (and ``out`` unless given) on each call: serving code keeps an
 under graphs.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,10 @@ import torch
 from evenkv.kernels import decode_launch
 from evenkv.kernels import extend_launch as launch
 
-from .checks import (INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_page_table,
-                     check_positive_int, check_tensor, output_like, resolve_device, resolve_sm_scale)
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_fp8_capable,
+                     check_kv_scale,
+                     check_page_table, check_positive_int, check_sinks, check_tensor, normalize_logit_cap,
+                     normalize_window, output_like, resolve_device, resolve_sm_scale)
 from .configs import ExtendConfig, extend_config, resolve_arch, sm_count
 from .decode import debug_enabled
 from .errors import error_flag
@@ -81,25 +82,28 @@ def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: 
 
 def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor, *, k_new: torch.Tensor | None, v_new: torch.Tensor | None, sm_scale: float,
-               causal: bool, sliding_window: int | None, logit_cap: float | None) -> torch.Tensor:
-    """Launch the extend kernel for ``plan`` (inputs assumed validated); returns out."""
+               causal: bool, sliding_window: int | None, logit_cap: float | None, sinks: torch.Tensor | None = None,
+               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Launch the extend kernel for ``plan`` (inputs assumed validated, as ``extend``'s); returns out."""
     c = plan.config
     bound = launch.num_query_blocks_bound(q.shape[0], plan.batch_size, plan.max_q_len, plan.group_size, c.block_m)
     launch.launch_extend(q, k_cache, v_cache, k_new, v_new, out, plan.cu_seqlens_q, plan.seq_lens, plan.page_table,
                          plan.order, plan.sorted_start, plan.errors, num_programs_bound=bound,
                          req_begin=plan.req_begin, max_q_len=plan.max_q_len, page_size=plan.page_size,
                          sm_scale=sm_scale, causal=causal, window=sliding_window, logit_cap=logit_cap,
-                         block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+                         block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                         sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 # -- validation -------------------------------------------------------------------
 
 
-def check_cache(name: str, cache, *, page_size: int, dtype: torch.dtype, device: torch.device,
+def check_cache(name: str, cache, *, page_size: int, dtype: torch.dtype | tuple, device: torch.device,
                 shape: tuple | None = None) -> torch.Tensor:
     """A cache viewed as [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D] (any strides,
-    unit stride in D). ``shape`` (if given) must match exactly."""
+    unit stride in D) of ``dtype`` (the cache's: q's or an FP8 one; or a tuple of those it may
+    have). ``shape`` (if given) must match exactly."""
     if not isinstance(cache, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
     if cache.dim() not in (3, 4):
@@ -108,29 +112,8 @@ def check_cache(name: str, cache, *, page_size: int, dtype: torch.dtype, device:
     if cache.dim() == 4 and cache.shape[1] != page_size:
         raise ValueError(f"{name}: expected [num_pages, page_size={page_size}, Hkv, D], got shape "
                          f"{tuple(cache.shape)}")
-    return check_tensor(name, cache, shape=shape, dtypes=(dtype,), device=device, last_dim_contiguous=True)
-
-
-def normalize_window(sliding_window) -> int | None:
-    """None or 0 -> None (no window); int W >= 1 -> W. See ``extend`` for the convention."""
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
-        raise TypeError(f"sliding_window: expected None or int, got {type(sliding_window).__name__}")
-    if sliding_window < 0:
-        raise ValueError(f"sliding_window: expected None, 0 (no window) or a window W >= 1, got {sliding_window}")
-    return sliding_window or None
-
-
-def normalize_logit_cap(logit_cap) -> float | None:
-    """None or 0 -> None (no cap); c > 0 -> float(c)."""
-    if logit_cap is None:
-        return None
-    if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)):
-        raise TypeError(f"logit_cap: expected None or float, got {type(logit_cap).__name__}")
-    if not math.isfinite(logit_cap) or logit_cap < 0:
-        raise ValueError(f"logit_cap: expected None, 0 (no cap) or a finite cap > 0, got {logit_cap}")
-    return float(logit_cap) or None
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    return check_tensor(name, cache, shape=shape, dtypes=dtypes, device=device, last_dim_contiguous=True)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -179,15 +162,17 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, sm_scale: float | None = None,
            causal: bool = True, sliding_window: int | None = None, logit_cap: float | None = None,
            out: torch.Tensor | None = None, schedule: str = "lpt", config: ExtendConfig | None = None,
-           arch: str | None = None, debug: bool | None = None) -> torch.Tensor:
+           arch: str | None = None, debug: bool | None = None, sinks: torch.Tensor | None = None,
+           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Varlen extend (prefill) attention over a paged KV cache, causal by default.
 
     Args (B requests, total_q query rows, G = Hq / Hkv):
         q: [total_q, Hq, D] fp16/bf16, any row/head strides, unit stride in D. Rows of
             request b are ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``.
         k_cache, v_cache: [num_slots, Hkv, D] (slot = page * page_size + offset) or
-            [num_pages, page_size, Hkv, D], dtype of q, any strides but unit stride in D
-            (vLLM's packed K|V halves and HND views both work).
+            [num_pages, page_size, Hkv, D], dtype of q or torch.float8_e4m3fn (both the
+            same), any strides but unit stride in D (vLLM's packed K|V halves and HND views
+            both work).
         cu_seqlens_q: [B + 1] int32 (or int64), device; cu_seqlens_q[-1] <= total_q.
         seq_lens: [B] int32/int64, device: the total KV length of each request
             INCLUDING its new tokens (vLLM ``seq_lens``, SGLang ``seq_lens``).
@@ -216,6 +201,12 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         config: an ``ExtendConfig`` to force (tuning, tests); default from the table.
         arch: ``"sm80"``/``"sm90"`` table; default from the device (EVENKV_ARCH).
         debug: check lengths on the host first (syncs); default EVENKV_DEBUG.
+        sinks: None or [Hq] float32/bf16/fp16, contiguous: one logit per query head (natural
+            log, not scaled by sm_scale nor capped) added to its softmax denominator:
+            out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sinks[h]}) (gpt-oss).
+        k_scale, v_scale: host floats > 0, an FP8 cache's per-tensor dequantization scales
+            (real K = stored K * k_scale); 1.0 for a cache of q's dtype. k_new/v_new hold
+            real values and are not scaled.
 
     Returns:
         out [total_q, Hq, D], dtype of q. Rows past cu_seqlens_q[-1] are not written.
@@ -230,14 +221,22 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     dev = resolve_device(q.device)
     check_head_dim(head_dim)
     check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
-    check_cache("k_cache", k_cache, page_size=page_size, dtype=q.dtype, device=dev)
+    check_cache("k_cache", k_cache, page_size=page_size, dtype=(q.dtype, *FP8_KV_DTYPES), device=dev)
     num_kv_heads = k_cache.shape[-2]
     if k_cache.shape[-1] != head_dim:
         raise ValueError(f"k_cache: expected head_dim {head_dim} (of q) in the last dim, got shape "
                          f"{tuple(k_cache.shape)}")
-    check_cache("v_cache", v_cache, page_size=page_size, dtype=q.dtype, device=dev, shape=tuple(k_cache.shape))
+    check_cache("v_cache", v_cache, page_size=page_size, dtype=k_cache.dtype, device=dev, shape=tuple(k_cache.shape))
+    check_fp8_capable(k_cache.dtype, dev)
+    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    if k_cache.dtype not in FP8_KV_DTYPES:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value != 1.0:
+                raise ValueError(f"{name}: expected 1.0 for a {k_cache.dtype} cache (scales dequantize FP8 caches), "
+                                 f"got {value}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: expected Hq a multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
+    sinks = check_sinks(sinks, num_q_heads, dev)
     batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, dev)
     if isinstance(max_q_len, bool) or not isinstance(max_q_len, int):
         raise TypeError(f"max_q_len: expected a host int, got {type(max_q_len).__name__}")
@@ -276,7 +275,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     decode_launch.launch_audit_pages(seq_lens, page_table, plan.errors, num_slots // page_size, page_size,
                                      sm_count(dev))
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
-                      sliding_window=window, logit_cap=cap)
+                      sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 __all__ = ["extend", "ExtendPlan", "plan_extend", "run_extend", "SCHEDULES"]

@@ -53,7 +53,7 @@ class StreamSchedule:
     order: batch index, clamped length); cta_start [>= num_ctas, 4] int32 (row c: the request
     CTA c starts in: its index into active_req, batch index, length, cost start; the buffer
     is sized for the larger of the backend's grids); plan_scalars [4] int32 (piece, total,
-    active count, tiles of the longest request)."""
+    active count, the most tiles of one segment: a sliding window counts its own)."""
 
     active_req: torch.Tensor
     cta_start: torch.Tensor

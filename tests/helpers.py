@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evenkv.kernels.reference import decode_reference, gather_request_kv
+from evenkv.kernels.reference import decode_reference, extend_reference, gather_request_kv
 from evenkv.testing import GARBAGE_PAGE, TOLERANCE_FLOOR, max_error, random_paged_batch, tolerance  # noqa: F401
 
 
@@ -40,10 +40,17 @@ def lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=N
     return out
 
 
-def assert_close_to_reference(out, q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=None):
-    """Tolerance rule (evenkv.testing.tolerance) against torch's own low-precision decode."""
-    ref = decode_reference(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale)
-    lowp = lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale)
+def assert_close_to_reference(out, q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale=None, **terms):
+    """Tolerance rule (evenkv.testing.tolerance) against torch's own low-precision decode.
+    terms: a layer's sliding_window / logit_cap / sinks / k_scale / v_scale (decode_reference's);
+    with them the low-precision baseline is the reference computed in q's dtype."""
+    ref = decode_reference(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale, **terms)
+    if terms:
+        cu = torch.arange(q.shape[0] + 1, device=q.device)
+        lowp = extend_reference(q, k_cache, v_cache, cu, seq_lens, page_table, page_size, sm_scale=sm_scale,
+                                compute_dtype=q.dtype, **terms)
+    else:
+        lowp = lowp_decode(q, k_cache, v_cache, seq_lens, page_table, page_size, sm_scale)
     err, bound = max_error(out, ref), tolerance(ref, lowp, q.dtype)
     assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} ({q.dtype})"
     return err, bound

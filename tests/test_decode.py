@@ -277,17 +277,34 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
     _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group)
 
 
-def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8)], ids=["gpt-oss", "qwen3"])
+def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_fp8):
+    """With a soft-cap and bf16 sinks, over a bf16 or an FP8 cache, the sm90 rows a layer
+    can run (an FP8 cache has its own rows and no many-segments row) still fit their CTAs
+    per SM and keep local memory out of the tile loop (gpt-oss's and Qwen3-30B-A3B's
+    attention shapes)."""
+    from evenkv.configs import decode_config, many_segments_config
+    rows = {decode_config("sm90", head_dim, 16, kv_fp8), many_segments_config("sm90", head_dim, 16, kv_fp8)}
+    assert (None in rows) == kv_fp8
+    for cfg in rows - {None}:
+        _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8)
+
+
+def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False):
     from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, merge_stream_constants, merge_units_constants,
                                               stream_constants)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
-    common = dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr"], fp32_ptrs=["o_part_ptr", "lse_part_ptr"],
-                  fp32=["sm_scale_log2"], unaligned=["stride_pt", "batch_size"])
-    stream_consts = stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch)
+    terms = dict(SOFTCAP=layer_terms, HAS_SINKS=layer_terms, KV_FP8=kv_fp8)
+    cache = dict(fp8=["k_ptr", "v_ptr"], bf16=["q_ptr", "out_ptr", "sinks_ptr"]) if kv_fp8 else \
+        dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr"])
+    common = dict(cache, fp32_ptrs=["o_part_ptr", "lse_part_ptr"], fp32=["qk_scale", "cap_scale", "v_scale"],
+                  unaligned=["stride_pt", "window", "batch_size"])
+    stream_consts = dict(stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch), **terms)
     variants = [dict(cap=cap, consts=stream_consts, options=options)]
-    starved_check = cfg.max_registers is not None and head_dim == 128
+    starved_check = cfg.max_registers is not None and head_dim == 128 and not layer_terms
     if starved_check:
         variants.append(dict(cap=cap, consts=stream_consts, options=dict(options, maxnreg=80)))
     stream, *starved = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
@@ -303,8 +320,9 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group):
     merge_options = dict(num_warps=MERGE_NUM_WARPS)
     for name, consts in [
             ("merge_stream_kernel",
-             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch)),
-            ("merge_units_kernel", dict(merge_units_constants(group, head_dim), NUM_KV_HEADS=num_kv_heads))]:
+             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, layer_terms)),
+            ("merge_units_kernel", dict(merge_units_constants(group, head_dim), NUM_KV_HEADS=num_kv_heads,
+                                        HAS_SINKS=layer_terms))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
         assert r["stack"] == 0, f"{name}: {r}"
@@ -347,8 +365,18 @@ PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8), 8),
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
     ("evenkv.kernels.extend:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
-    ("evenkv.kernels.kv_write:kv_write_kernel", dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128), 4),
+    ("evenkv.kernels.kv_write:kv_write_kernel",
+     dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),
 ]
+
+
+def test_fp8_kv_write_compiles_for_sm90():
+    """The FP8 KV write (e4m3 cache, IEEE division by the scales) compiles for sm_90a."""
+    (r,) = aot_compile(dict(kernel="evenkv.kernels.kv_write:kv_write_kernel", bf16=["k_new_ptr", "v_new_ptr"],
+                            fp8=["k_cache_ptr", "v_cache_ptr"], fp32=["k_scale", "v_scale"],
+                            variants=[dict(cap=90, consts=dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128,
+                                                               KV_FP8=True), options=dict(num_warps=4))]))
+    assert r["stack"] == 0, r
 
 
 @pytest.mark.parametrize("cap", [90, 80])

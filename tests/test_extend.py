@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenkv import Attention, ExtendConfig, extend
+from evenkv import Attention, ExtendConfig, errors, extend
 from evenkv.kernels import extend_launch
-from evenkv.kernels.reference import extend_reference
+from evenkv.kernels.reference import decode_reference, extend_reference, kv_write_reference
 from evenkv.testing import GARBAGE_PAGE
 from helpers import TOLERANCE_FLOOR, aot_compile
 
@@ -274,7 +274,7 @@ def test_mixed_matches_reference(device, num_decodes, q_lens, prefixes):
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, extend_config=SMALL)
     plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=num_decodes,
                      max_q_len=max(q_lens[num_decodes:], default=1))
-    assert plan.num_decodes == num_decodes and not attn.decode_via_extend
+    assert plan.num_decodes == num_decodes
     assert (plan.decode is None) == (num_decodes == 0)
     assert (plan.extend is None) == (num_decodes == len(q_lens))
     ref, lowp = reference_pair(batch, ps)
@@ -307,16 +307,117 @@ def test_mixed_sglang_layout_and_4d_cache(device):
     assert_tolerance(out, ref, lowp, dtype)
 
 
-def test_mixed_window_runs_decode_rows_in_extend(device):
+def test_mixed_window_softcap_sinks_fp8(device):
+    """A gpt-oss-like layer in a mixed batch: decode rows on the decode kernels and extend rows
+    on the extend kernel, both with the layer's window, soft-cap, sinks and FP8 cache."""
     dtype, hq, hkv, d, ps = torch.float16, 4, 2, 64, 16
     batch = make_batch([1, 1, 10], [30, 3, 12], hq, hkv, d, ps, dtype, device, seed=9, scale=2.0)
-    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, sliding_window=8, logit_cap=2.0,
+    batch = quantized(batch, 0.05, 0.03)
+    sinks = torch.tensor([1.0, -2.0, 0.5, 4.0], device=device)
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, sliding_window=8, logit_cap=2.0, kv_dtype=FP8,
                            extend_config=SMALL)
     plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=10)
-    assert attn.decode_via_extend and plan.decode is None and plan.extend.req_begin == 0
-    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
-    ref, lowp = reference_pair(batch, ps, sliding_window=8, logit_cap=2.0)
+    assert plan.decode is not None and plan.extend.req_begin == 2
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], sinks=sinks, k_scale=0.05, v_scale=0.03)
+    ref, lowp = reference_pair(batch, ps, sliding_window=8, logit_cap=2.0, sinks=sinks, k_scale=0.05, v_scale=0.03)
     assert_tolerance(out, ref, lowp, dtype)
+
+
+# -- FP8 caches and attention sinks ---------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantized(batch, k_scale, v_scale):
+    """``batch`` with its caches stored as FP8 by the reference write (stored = real / scale; the
+    NaN poison stays NaN)."""
+    k8 = torch.empty(batch["k_cache"].shape, dtype=FP8, device=batch["k_cache"].device)
+    v8 = torch.empty_like(k8)
+    slots = torch.arange(k8.shape[0], device=k8.device)
+    kv_write_reference(k8, v8, batch["k_cache"], batch["v_cache"], slots, k_scale=k_scale, v_scale=v_scale)
+    return dict(batch, k_cache=k8, v_cache=v8)
+
+
+@pytest.mark.parametrize("dtype,group,page_size,new_layout,window,cap,scales,config", [
+    pytest.param(torch.bfloat16, 4, 16, False, None, None, (0.05, 0.02), SMALL, id="bf16-g4-p16-vllm"),
+    pytest.param(torch.float16, 2, 1, True, None, None, (0.5, 4.0), SMALL32, id="fp16-g2-p1-sglang-vscale4"),
+    pytest.param(torch.bfloat16, 5, 16, True, 13, 2.0, (0.03, 0.02), SMALL, id="bf16-g5-p16-sglang-w13-cap"),
+])
+def test_fp8_cache_matches_reference(device, dtype, group, page_size, new_layout, window, cap, scales, config):
+    """The reference reads the same stored FP8 values, so the only error left is the rounding of
+    q, p and out in q's dtype: the usual rule holds."""
+    batch = make_batch([6, 0, 30, 1], [0, 3, 33, 17], group * 2, 2, 64, page_size, dtype, device,
+                       new_layout=new_layout, seed=10, scale=2.0)
+    batch = quantized(batch, *scales)
+    kw = dict(sliding_window=window, logit_cap=cap, k_scale=scales[0], v_scale=scales[1])
+    out = run_extend(batch, page_size, config=config, **kw)
+    ref, lowp = reference_pair(batch, page_size, **kw)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+@pytest.mark.parametrize("group,new_layout,window,cap,fp8,sink_dtype", [
+    pytest.param(4, False, None, None, False, torch.float32, id="g4-vllm"),
+    pytest.param(5, True, 9, 2.0, False, torch.bfloat16, id="g5-sglang-w9-cap-bf16-sinks"),
+    pytest.param(2, True, None, None, True, torch.float16, id="g2-sglang-fp8-fp16-sinks"),
+    pytest.param(3, False, 13, None, True, torch.float32, id="g3-vllm-w13-fp8"),
+])
+def test_sinks_match_reference(device, group, new_layout, window, cap, fp8, sink_dtype):
+    dtype, hq = torch.float16, group * 2
+    batch = make_batch([6, 0, 30, 1], [0, 3, 33, 17], hq, 2, 64, 16, dtype, device, new_layout=new_layout, seed=11,
+                       scale=2.0)
+    scales = (0.05, 0.03) if fp8 else (1.0, 1.0)
+    if fp8:
+        batch = quantized(batch, *scales)
+    # Logits of the scores' size (|s * sm_scale| ~ 2), so the sinks take a real share.
+    sinks = (2.0 * torch.randn(hq, generator=torch.Generator().manual_seed(11))).to(sink_dtype).to(device)
+    kw = dict(sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=scales[0], v_scale=scales[1])
+    out = run_extend(batch, 16, config=SMALL, **kw)
+    ref, lowp = reference_pair(batch, 16, **kw)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+def test_extreme_sinks(device):
+    """A sink far above every score takes all the weight (zeros, exactly); one far below, or -inf,
+    changes nothing (the same bits as without sinks). Mixed across heads, so each packed row must
+    read its own query head's sink."""
+    batch = make_batch([6, 30, 1], [0, 33, 17], 6, 2, 64, 16, torch.bfloat16, device, new_layout=True, seed=12)
+    plain = run_extend(batch, 16, config=SMALL)
+    sinks = torch.tensor([1e4, -math.inf, -1e4, -1e4, 1e4, -math.inf], device=device)
+    out = run_extend(batch, 16, config=SMALL, sinks=sinks)
+    big = sinks > 0
+    assert (out[:, big] == 0).all()
+    assert torch.equal(out[:, ~big], plain[:, ~big])
+
+
+def test_rows_that_see_no_key_are_zeros_with_sinks(device):
+    """A page table without columns leaves the vLLM-layout rows no key (lengths are clamped to its
+    capacity, 0, and flagged): the sink alone makes their denominator, the output is zeros."""
+    errors.error_flag(device).zero_()
+    batch = make_batch([3, 2], [4, 0], 4, 2, 64, 16, torch.float16, device)
+    batch["page_table"] = batch["page_table"][:, :0]
+    out = run_extend(batch, 16, sinks=torch.tensor([0.0, -math.inf, 3.0, -math.inf], device=device))
+    assert (out == 0).all()
+    assert errors.REASONS[errors.LENGTH_OUT_OF_RANGE] in errors.peek(device)
+    errors.error_flag(device).zero_()
+
+
+def test_reference_conventions():
+    """The oracles on one key: real K/V = stored x scale, out = v e^s / (e^s + e^sink); FP8
+    writes divide by the scale, saturate to +-448 and round to nearest even."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 1, 64, generator=gen) for _ in range(3))
+    k8, v8 = torch.empty(16, 1, 64, dtype=FP8), torch.empty(16, 1, 64, dtype=FP8)
+    kv_write_reference(k8, v8, k[0], v[0], torch.tensor([0]), k_scale=0.02, v_scale=0.03)
+    sink = torch.tensor([0.7])
+    out = decode_reference(q, k8, v8, torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32), 16, 0.125,
+                           sinks=sink, k_scale=0.02, v_scale=0.03)
+    s = (q[0, 0] * k8[0, 0].float() * 0.02).sum() * 0.125
+    want = v8[0, 0].float() * 0.03 * torch.exp(s) / (torch.exp(s) + torch.exp(sink))
+    torch.testing.assert_close(out[0, 0], want)
+    new = torch.tensor([1000.0, -1e4, 0.265625, 0.3])[:, None, None]  # 0.265625 and its half are ties
+    kv_write_reference(k8, v8, new, new, torch.arange(4), k_scale=1.0, v_scale=2.0)
+    assert k8[:4, 0, 0].float().tolist() == [448.0, -448.0, 0.25, 0.3125]
+    assert v8[:4, 0, 0].float().tolist() == [448.0, -448.0, 0.125, 0.15625]
 
 
 # -- bad inputs ------------------------------------------------------------------------
@@ -363,6 +464,19 @@ def _bad_cases():
         ("causal-int", lambda a: a.update(causal=1), TypeError, "causal"),
         ("out-shape", lambda a: a.update(out=torch.zeros(1, 4, 64, dtype=torch.float16)), ValueError, "out"),
         ("schedule", lambda a: a.update(schedule="random"), ValueError, "schedule"),
+        ("k-fp32", lambda a: a.update(k_cache=a["k_cache"].float()), TypeError, "k_cache.*float8_e4m3fn"),
+        ("k-fp8-v-fp16", lambda a: a.update(k_cache=a["k_cache"].to(FP8)), TypeError, "v_cache"),
+        ("k-new-fp8", lambda a: a.update(k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8),
+                                         k_new=torch.zeros(a["q"].shape[0], 2, 64, dtype=FP8),
+                                         v_new=torch.zeros(a["q"].shape[0], 2, 64, dtype=FP8)), TypeError, "k_new"),
+        ("k-scale-tensor", lambda a: a.update(k_scale=torch.tensor(0.5)), TypeError, "k_scale"),
+        ("k-scale-zero", lambda a: a.update(k_scale=0.0), ValueError, "k_scale"),
+        ("v-scale-nan", lambda a: a.update(v_scale=math.nan), ValueError, "v_scale"),
+        ("v-scale-unquantized-cache", lambda a: a.update(v_scale=0.5), ValueError, "v_scale"),
+        ("sinks-length", lambda a: a.update(sinks=torch.zeros(3)), ValueError, "sinks"),
+        ("sinks-int", lambda a: a.update(sinks=torch.zeros(4, dtype=torch.int32)), TypeError, "sinks"),
+        ("sinks-device", lambda a: a.update(sinks=torch.zeros(4, device="meta")), ValueError, "sinks"),
+        ("sinks-strided", lambda a: a.update(sinks=torch.zeros(8)[::2]), ValueError, "sinks"),
     ]
 
 
@@ -408,19 +522,19 @@ def test_mixed_bad_plan(device):
 def test_sm90_table_config_compiles_without_spills():
     """The sm90 D=128 config compiles for sm_90a with no register spills, wgmma dots and
     cp.async-pipelined K/V loads, for the vLLM layout and for the SGLang layout with a
-    window and a soft-cap (checked on the CPU with Triton's bundled ptxas)."""
+    window, a soft-cap and sinks (checked on the CPU with Triton's bundled ptxas)."""
     import dataclasses
 
     from evenkv.configs import extend_config
     cfg = dataclasses.asdict(extend_config("sm90", 128, 8, 4096))
     base = dict(NUM_KV_HEADS=4, G=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                PAGE_SIZE=16, CAUSAL=True, HAS_NEW=False, WINDOW=False, SOFTCAP=False, BLOCK_B=256,
-                NUM_STAGES=cfg["num_stages"])
-    variants = [{}, dict(HAS_NEW=True, PAGE_SIZE=1, WINDOW=True, SOFTCAP=True)]
+                PAGE_SIZE=16, CAUSAL=True, HAS_NEW=False, WINDOW=False, SOFTCAP=False, KV_FP8=False,
+                HAS_SINKS=False, BLOCK_B=256, NUM_STAGES=cfg["num_stages"])
+    variants = [{}, dict(HAS_NEW=True, PAGE_SIZE=1, WINDOW=True, SOFTCAP=True, HAS_SINKS=True)]
     results = aot_compile(dict(
         kernel="evenkv.kernels.extend:extend_kernel",
-        bf16=["q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr"], fp32=["qk_scale", "cap_scale"],
-        unaligned=["stride_pt"],
+        bf16=["q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr"], fp32_ptrs=["sinks_ptr"],
+        fp32=["qk_scale", "cap_scale", "k_scale", "v_scale"], unaligned=["stride_pt"],
         variants=[dict(cap=90, consts={**base, **flags},
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])) for flags in variants]))
     for flags, r in zip(variants, results):
@@ -558,17 +672,19 @@ class ReferencePrefill:
     """A PrefillKernel made of the fp32 reference: records each call's arguments."""
 
     name = "reference prefill"
+    supports_sinks = True
 
     def __init__(self):
         self.calls = []
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale):
+                 sm_scale, sliding_window, logit_cap, sinks):
         self.calls.append(dict(rows=q.shape[0], cu=cu_seqlens_q.tolist(), lens=seq_lens.tolist(),
                                pages=page_table.shape, max_q_len=max_q_len, max_seq_len=max_seq_len,
-                               sm_scale=sm_scale, cache=tuple(k_cache.shape)))
+                               sm_scale=sm_scale, cache=tuple(k_cache.shape), window=sliding_window, cap=logit_cap,
+                               sinks=sinks))
         ref = extend_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k_cache.shape[1],
-                               sm_scale=sm_scale)
+                               sm_scale=sm_scale, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks)
         n = int(cu_seqlens_q[-1])
         out[:n] = ref[:n].to(out.dtype)
 
@@ -598,8 +714,24 @@ def test_extend_rows_run_on_the_engine_prefill_kernel(device):
     assert call["cache"][1:] == (ps, hkv, d) and prefill.calls[1]["sm_scale"] == 0.2
 
 
-@pytest.mark.parametrize("kw,why", [(dict(sliding_window=8), "sliding window"), (dict(logit_cap=3.0), "soft-cap"),
-                                    (dict(deterministic=True), "deterministic")])
+def test_prefill_kernel_gets_the_layer_terms(device):
+    """A layer's window, soft-cap and sinks reach the engine's prefill kernel with its extend rows."""
+    dtype, hq, hkv, d, ps = torch.float16, 4, 2, 64, 16
+    batch = make_batch([1, 9], [20, 4], hq, hkv, d, ps, dtype, device, seed=4, scale=2.0)
+    prefill = ReferencePrefill()
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, sliding_window=6, logit_cap=3.0,
+                           prefill_kernel=prefill)
+    assert attn.prefill_kernel is prefill
+    sinks = torch.tensor([0.0, 1.0, -1.0, 2.0], device=device)
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=1, max_q_len=9)
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], sinks=sinks)
+    call = prefill.calls[0]
+    assert call["window"] == 6 and call["cap"] == 3.0 and call["sinks"] is sinks
+    ref, lowp = reference_pair(batch, ps, sliding_window=6, logit_cap=3.0, sinks=sinks)
+    assert_tolerance(out, ref, lowp, dtype)
+
+
+@pytest.mark.parametrize("kw,why", [(dict(kv_dtype=FP8), "FP8 query"), (dict(deterministic=True), "deterministic")])
 def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
     batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, prefill_kernel=ReferencePrefill(), **kw)

@@ -21,10 +21,21 @@ Two kernels walk the segments, one per scheduling mode:
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
 Both kernels take their online-softmax steps with ``_attend_tile`` (the units kernel
-through ``_attend_tiles``, one loop per unit) and share ``_store_rows``, ``_store_partial``
+through ``_attend_tiles``, one loop per unit) and share ``_store_whole``, ``_store_partial``
 and ``_merge_to_out``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
-is a base-2 log-sum-exp. Token and slot offsets are int64 because ``slot * stride``
+is a base-2 log-sum-exp.
+
+What a layer adds to plain attention (``decode_launch.LayerTerms``):
+
+* sliding window W (runtime ``window``, 0 = none): a segment is the tiles of the request's
+  last min(seq_len, W) tokens, counted from the window's first token (``plan.window_tiles``),
+  so the plan and the walk cost the window's tokens only;
+* soft-cap (SOFTCAP): base-2 scores ``numerics.soft_cap(s, qk_scale, cap_scale)``;
+* sinks (HAS_SINKS): a per-query-head logit in the softmax denominator, added where a
+  row's result is final (``_add_sinks``: a whole segment's store, or its merge);
+* FP8 cache (KV_FP8): e4m3 tiles widened to fp16 in registers, q prescaled into fp16
+  (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored. Token and slot offsets are int64 because ``slot * stride``
 passes 2**31 for caches beyond 2**31 elements.
 
 Memory safety does not depend on the page table: a page id outside ``[0, num_pages)`` is
@@ -42,40 +53,51 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .numerics import dot, narrow
+from .numerics import FP8_Q_PRESCALE, LOG2E, dot, narrow, soft_cap
+from .plan import window_tiles
 
 
 @triton.jit
 def _load_q(q_ptr, stride_qb, stride_qh, b, h,
-            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            KV_FP8: tl.constexpr):
     """Rows g < G of q[b, h*G + g, :] as stored; rows >= G are zero (they only pad the dot).
 
     The softmax scale is applied to the fp32 scores, not to q: scaling q and rounding it
     back to fp16/bf16 would overflow for |q| * sm_scale * log2(e) > 65504 (fp16) and add a
-    rounding step."""
+    rounding step. KV_FP8: q * FP8_Q_PRESCALE in fp16, the dtype an FP8 cache is widened
+    to (one conversion instruction per two values; to bf16 it takes four); the prescale
+    keeps bf16 queries up to 2**20 in fp16's range, and the host folds its inverse into
+    qk_scale."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
     ptrs = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0)
+    q = tl.load(ptrs, mask=mask, other=0.0)
+    if KV_FP8:
+        q = (q.to(tl.float32) * FP8_Q_PRESCALE).to(tl.float16)
+    return q
 
 
 @triton.jit
-def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len, num_pages,
-                 sm_scale_log2, m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One online-softmax step of q [G_PAD, BLOCK_D] against tile ``tile`` of a segment
-    (tokens tile * BLOCK_N ..; those at or past ``seq_len`` are masked, so the page-table
-    tail and the unused part of the last page are never read). k_head / v_head point at
-    the segment's KV head. A token whose page id lies outside [0, num_pages) is not read:
-    its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tok0, seq_len, num_pages,
+                 qk_scale, cap_scale, m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One online-softmax step of q [G_PAD, BLOCK_D] against the tile of tokens tok0 ..
+    tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
+    page-table tail and the unused part of the last page are never read). k_head / v_head
+    point at the segment's KV head; an FP8 cache is widened to q's dtype (fp16, see
+    ``_load_q``) in registers, its scales folded into qk_scale and the stored output. Scores are ``s * qk_scale``
+    or, with SOFTCAP, ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id
+    lies outside [0, num_pages) is not read: its K and V load as zeros
+    (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
 
     Returns the new (m [G_PAD] running base-2 max, l [G_PAD] running sum, acc [G_PAD,
     BLOCK_D] fp32 unnormalised)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    tok = tile * BLOCK_N + offs_n
+    tok = tok0 + offs_n
     mask_n = tok < seq_len
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
     # One unsigned compare covers negative ids too.
@@ -83,24 +105,28 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
     kv_mask = (mask_n & page_ok)[:, None] & mask_d[None, :]
     k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = dot(q, tl.trans(k)) * sm_scale_log2
+    s = dot(q, tl.trans(k.to(q.dtype)))
+    if SOFTCAP:
+        s = soft_cap(s, qk_scale, cap_scale)
+    else:
+        s = s * qk_scale
     s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + dot(narrow(p, v.dtype), v)
+    acc = acc * alpha[:, None] + dot(narrow(p, q.dtype), v.to(q.dtype))
     return m_new, l, acc
 
 
 @triton.jit
 def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  page_row_ptr, h, seq_len, tile_begin, tile_end, num_pages, sm_scale_log2,
+                  page_row_ptr, h, seq_len, first_tok, tile_begin, tile_end, num_pages, qk_scale, cap_scale,
                   PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax of q against tiles [tile_begin, tile_end) of one segment; scores are
-    scaled by ``sm_scale * log2(e)`` in fp32.
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Online softmax of q against tiles [tile_begin, tile_end) of one segment, whose tile t
+    holds tokens first_tok + t * BLOCK_N ..; scores as in ``_attend_tile``.
 
     Returns (acc [G_PAD, BLOCK_D] fp32, unnormalised), m [G_PAD] (running base-2 max)
     and l [G_PAD] (running sum).
@@ -111,9 +137,24 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tile, seq_len,
-                                 num_pages, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr,
+                                 first_tok + tile * BLOCK_N, seq_len, num_pages, qk_scale, cap_scale, m, l, acc,
+                                 PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP)
     return acc, m, l
+
+
+@triton.jit
+def _add_sinks(acc, m, l, sinks_ptr, h, row0, G: tl.constexpr, ROWS: tl.constexpr):
+    """Rows g in [row0, row0 + ROWS) of a finished (acc [ROWS, *] fp32, m base-2 max, l sum):
+    the sink logit of query head h*G + g (``sinks`` [Hq], natural log) joins the softmax
+    denominator. Both are rescaled to max(m, sink) so neither term overflows; a row that saw
+    no token stays at acc = 0."""
+    offs_g = row0 + tl.arange(0, ROWS)
+    sink = tl.load(sinks_ptr + h * G + offs_g, mask=offs_g < G, other=float("-inf")).to(tl.float32) * LOG2E
+    top = tl.maximum(m, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    alpha = tl.exp2(m - top)
+    return acc * alpha[:, None], l * alpha + tl.exp2(sink - top)
 
 
 @triton.jit
@@ -131,9 +172,26 @@ def _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, l,
 
 
 @triton.jit
-def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l,
-                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """o_part[slot] = acc / l (fp32 [G, HEAD_DIM]); lse_part[slot] = m + log2(l) ([G])."""
+def _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale,
+                 G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr):
+    """A segment walked whole by one CTA: out[b, h*G:(h+1)*G] from its (acc, m, l), with the
+    sinks (HAS_SINKS) and an FP8 cache's V scale (KV_FP8)."""
+    if HAS_SINKS:
+        acc, l = _add_sinks(acc, m, l, sinks_ptr, h, 0, G, G_PAD)
+    if KV_FP8:
+        acc = acc * v_scale
+    _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, v_scale,
+                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   KV_FP8: tl.constexpr):
+    """o_part[slot] = acc / l (fp32 [G, HEAD_DIM]; times an FP8 cache's V scale); lse_part[slot]
+    = m + log2(l) ([G]). Sinks join at the merge."""
+    if KV_FP8:
+        acc = acc * v_scale
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     base = slot.to(tl.int64) * G
@@ -159,22 +217,24 @@ def _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS: tl.constexpr, FUSED_M
     return tl.where(span_pieces <= FUSED_MERGE_PIECES, b * NUM_KV_HEADS + h, -1), span_cta, span_pieces
 
 
-@triton.jit(do_not_specialize=["stride_pt", "batch_size", "num_pages"])
+@triton.jit(do_not_specialize=["stride_pt", "window", "batch_size", "num_pages"])
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
-    seq_lens_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
+    seq_lens_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, sm_scale_log2, batch_size, num_pages,
+    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, batch_size, num_pages,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr,
+    EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
 
     Segment (b, h) spans cost [seg_lo, seg_lo + n_tiles), segments in (request, head)
     order with empty requests skipped (``active_req``); its tile t sits at cost
-    seg_lo + t. The CTA starts in the request the plan wrote to
+    seg_lo + t and holds tokens first_tok + t * BLOCK_N .. (``window_tiles``: with a
+    sliding window a segment is only the tiles of the window's tokens). The CTA starts in the request the plan wrote to
     ``cta_start[c]`` and takes one cost unit per iteration of a single loop, across
     segments, so the software pipeline keeps the next segment's page-table and K/V loads
     in flight while one segment ends (a loop per segment drained it at every segment: with
@@ -209,7 +269,7 @@ def decode_stream_kernel(
 
     pos = cta * piece
     end = tl.minimum(pos + piece, total)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
     h = tl.maximum(pos - req_lo, 0) // tl.maximum(n_tiles, 1)
     seg_lo = req_lo + h * n_tiles
     # The first segment is cut at its start if it has tiles before this range.
@@ -230,25 +290,27 @@ def decode_stream_kernel(
                 k = k + 1
                 b = next_b
                 seq_len = next_seq_len
-                n_tiles = tl.cdiv(seq_len, BLOCK_N)
+                first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
                 next_b = tl.load(active_req_ptr + 2 * (k + 1), mask=k + 1 < num_active, other=0)
                 next_seq_len = tl.load(active_req_ptr + 2 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
             else:
                 h = h + 1
         tile = c - seg_lo
-        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
+        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
         m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head, v_ptr + h.to(tl.int64) * stride_v_head,
-                                 stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt, tile,
-                                 seq_len, num_pages, sm_scale_log2, m, l, acc, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+                                 stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt,
+                                 first_tok + tile * BLOCK_N, seq_len, num_pages, qk_scale, cap_scale, m, l, acc,
+                                 PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP)
         # The segment's last tile in this range: store it whole, or as a cut piece.
         tile_end = tl.minimum(end - seg_lo, n_tiles)
         if tile == tile_end - 1:
             if (pos <= seg_lo) & (tile_end == n_tiles):
-                _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale, G, G_PAD, HEAD_DIM,
+                             BLOCK_D, HAS_SINKS, KV_FP8)
             else:
                 # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
                 _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32),
-                               acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+                               acc, m, l, v_scale, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
             m = tl.full([G_PAD], float("-inf"), tl.float32)
             l = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
@@ -271,9 +333,9 @@ def decode_stream_kernel(
     # The arrivals wait for the walk to end: a merge inside the loop would raise its
     # register pressure past the 128-register cap (spills in the tile loop).
     if (first_seg >= 0) | (last_seg >= 0):
-        _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
+        _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
                           first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
-                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS)
+                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS)
 
 
 @triton.jit
@@ -287,13 +349,14 @@ def _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS: tl.cons
 
 
 @triton.jit
-def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row0, d0,
+def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, row0, d0,
                   first, count, slot_a, slot_c, slot_first_extra,
                   G: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
+                  BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr):
     """out[b, h*G + g, d0 : d0 + COLS] for g in [row0, row0 + ROWS) (g < G, columns <
     HEAD_DIM) = the log-sum-exp merge of partials i = first .. first + count - 1 of those
-    rows and columns, stored at slot a*i + c (+extra for i == first).
+    rows and columns, stored at slot a*i + c (+extra for i == first), with the rows' sinks
+    (HAS_SINKS).
 
     A [BLOCK_P partials, ROWS, COLS] tile per step, so a segment cut into many pieces costs
     a few dependent loads, not one per piece; the softmax weights are per (partial, row),
@@ -323,14 +386,16 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h,
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         weight = weight * alpha + tl.sum(w, 0)
         m = m_new
+    if HAS_SINKS:
+        acc, weight = _add_sinks(acc, m, weight, sinks_ptr, h, row0, G, ROWS)
     _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, weight, G, ROWS, HEAD_DIM, COLS)
 
 
 @triton.jit
-def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh,
+def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
                       first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
                       NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MERGE_ROWS: tl.constexpr):
+                      MERGE_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Arrive at this CTA's cut segments of few pieces (``first_seg`` / ``last_seg`` =
     b * Hkv + h, or -1 for none), whose pieces it has stored, and merge into ``out`` each
     one at which it arrives last. A segment's pieces run on CTAs seg_cta ..
@@ -358,21 +423,21 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
         mine = merging & (lane == i)
         if tl.sum(mine.to(tl.int32), 0) > 0:
             segment = tl.sum(tl.where(mine, seg, 0), 0)
-            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, segment // NUM_KV_HEADS,
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, segment // NUM_KV_HEADS,
                           segment % NUM_KV_HEADS, 0, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
                           tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, HEAD_DIM, MERGE_ROWS, BLOCK_D,
                           # One partial per step: a step of several reduces across them through
                           # shared memory, slower here than the extra dependent loads.
-                          BLOCK_P=1)
+                          BLOCK_P=1, HAS_SINKS=HAS_SINKS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def merge_stream_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, cta_start_ptr, plan_scalars_ptr, stride_ob, stride_oh,
+    o_part_ptr, lse_part_ptr, out_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr, stride_ob, stride_oh, window,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (C,). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
     are merged inside ``decode_stream_kernel``), with the programs of the CTA boundaries
@@ -400,7 +465,7 @@ def merge_stream_kernel(
     most_pieces = tl.cdiv(tl.load(plan_scalars_ptr + 3) - 1, piece) + 1
     k = tl.load(cta_start_ptr + 4 * j)
     b = tl.load(cta_start_ptr + 4 * j + 1)
-    n_tiles = tl.cdiv(tl.load(cta_start_ptr + 4 * j + 2), BLOCK_N)
+    _, n_tiles = window_tiles(tl.load(cta_start_ptr + 4 * j + 2), window, BLOCK_N)
     req_lo = tl.load(cta_start_ptr + 4 * j + 3)
     x = j * piece
     if (j > 0) & (k < num_active) & (most_pieces > FUSED_MERGE_PIECES):
@@ -415,29 +480,30 @@ def merge_stream_kernel(
             helpers = pieces - 1
             if pieces <= WHOLE_P:
                 if t == 0:
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, 0, 0, first_cta,
-                                  pieces, 2, 0, 1, G, HEAD_DIM, G_ROWS, BLOCK_D, WHOLE_P)
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, 0, 0,
+                                  first_cta, pieces, 2, 0, 1, G, HEAD_DIM, G_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS)
             elif pieces <= ROW_P:
                 for row in range(t, G, helpers):
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, row, 0, first_cta,
-                                  pieces, 2, 0, 1, G, HEAD_DIM, 1, BLOCK_D, ROW_P)
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, row, 0,
+                                  first_cta, pieces, 2, 0, 1, G, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS)
             else:
                 for item in range(t, G * D_CHUNKS, helpers):
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, item // D_CHUNKS,
-                                  (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, HEAD_DIM, 1, CHUNK_D,
-                                  CHUNK_P)
+                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h,
+                                  item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G,
+                                  HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS)
 
 
-@triton.jit(do_not_specialize=["stride_pt", "num_pages"])
+@triton.jit(do_not_specialize=["stride_pt", "window", "num_pages"])
 def decode_units_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
     seq_lens_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr, req_tiles_per_split_ptr,
-    num_units_ptr, queue_ptr,
+    num_units_ptr, queue_ptr, sinks_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, sm_scale_log2, num_pages,
+    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, num_pages,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Unit-queue decode. Unit u = (split j = u // Hkv, head h = u % Hkv); split j is
     split ``unit_split[j]`` of request ``unit_req[j]``.
@@ -468,19 +534,20 @@ def decode_units_kernel(
             num_splits = split + 1
             tiles_per_split = split
         seq_len = tl.load(seq_lens_ptr + b)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
         # split is 0 whenever num_splits is 1, so tile_begin is 0 there.
         tile_begin = split * tiles_per_split
         tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))
-        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D)
+        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
         acc, m, l = _attend_tiles(
             q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, tile_begin, tile_end, num_pages, sm_scale_log2,
-            PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, first_tok, tile_begin, tile_end, num_pages,
+            qk_scale, cap_scale, PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, SOFTCAP)
         if num_splits == 1:
-            _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale, G, G_PAD, HEAD_DIM,
+                         BLOCK_D, HAS_SINKS, KV_FP8)
         else:
-            _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+            _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, v_scale, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
         if PERSISTENT:
             unit = tl.atomic_add(queue_ptr, 1)
         else:
@@ -495,9 +562,9 @@ def decode_units_kernel(
 @triton.jit
 def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr, merge_list_ptr, merge_count_ptr,
-    stride_ob, stride_oh,
+    sinks_ptr, stride_ob, stride_oh,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_P: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Persistent grid: merge the splits of the requests that have more than one, listed in
     ``merge_list`` ([>= merge_count] int32). Item i is row i % G of KV head (i // G) % Hkv of
@@ -509,5 +576,5 @@ def merge_units_kernel(
         h = (item // G) % NUM_KV_HEADS
         num_splits = tl.load(req_splits_ptr + b)
         base = tl.load(req_split_base_ptr + b)
-        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, b, h, item % G, 0, base, num_splits,
-                      NUM_KV_HEADS, h, 0, G, HEAD_DIM, ROWS, BLOCK_D, BLOCK_P)
+        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, item % G, 0, base,
+                      num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, ROWS, BLOCK_D, BLOCK_P, HAS_SINKS)

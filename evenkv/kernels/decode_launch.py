@@ -5,12 +5,17 @@ launches; it does not validate (``evenkv.DecodeAttention`` and ``evenkv.write_kv
 do) and it allocates nothing.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
+from evenkv.checks import FP8_KV_DTYPES
+
 from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kernel, merge_units_kernel
 from .kv_write import kv_write_kernel
-from .launching import LOG2E, launch_or_compile
+from .launching import launch_or_compile, score_scales
+from .numerics import FP8_Q_PRESCALE
 from .plan import audit_pages_kernel, plan_stream_kernel
 
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
@@ -57,7 +62,8 @@ def merge_units_constants(group_size: int, head_dim: int) -> dict:
     return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d))
 
 
-def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool) -> dict:
+def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool,
+                           has_sinks: bool = False) -> dict:
     """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of
     MERGE_TILE elements (all rows; one row; one row's MERGE_CHUNK_D columns)."""
     block_d = triton.next_power_of_2(head_dim)
@@ -67,7 +73,7 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
                 WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))),
                 ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
                 CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
-                USE_PDL=use_pdl)
+                USE_PDL=use_pdl, HAS_SINKS=has_sinks)
 
 
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
@@ -90,9 +96,10 @@ def plan_block_buckets(max_batch_size: int) -> list[int]:
 
 
 def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors,
-                       capacity: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
+                       capacity: int, window: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
                        warmup: bool = False):
-    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32.
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32;
+    window: sliding window W, 0 for none.
 
     The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
     built at start-up (``Attention.warmup``). Each program answers
@@ -102,7 +109,8 @@ def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scal
     block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
     return launch_or_compile(
         plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
-        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, num_ctas,
+        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, window,
+        num_ctas,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c,
         num_warps=8 if block_b >= 1024 else 4)
 
@@ -116,81 +124,121 @@ def _cache_strides(q, k_cache, v_cache, out, page_table):
 AUDIT_BLOCK_E = 256
 
 
-def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int,
+def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int, window: int = 0,
                        warmup: bool = False):
     """seq_lens [B] int32/int64, page_table [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors
-    [1] int32 if a used entry lies outside [0, num_pages) (see ``audit_pages_kernel``)."""
+    [1] int32 if a used entry (of a sliding window's tokens, ``window`` > 0) lies outside [0,
+    num_pages) (see ``audit_pages_kernel``)."""
     return launch_or_compile(
         audit_pages_kernel, (grid,), warmup,
-        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, page_table.stride(0),
-        num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]), BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
+        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
+        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]), BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """What a layer adds to plain softmax attention, as the decode launchers take it.
+
+    sm_scale: softmax scale; logit_cap: soft-cap c (None = off); window: sliding window W
+    (0 = off); sinks: [Hq] sink logits or None; k_scale, v_scale: an FP8 cache's
+    dequantization scales (real = stored * scale; 1.0 otherwise)."""
+
+    sm_scale: float
+    logit_cap: float | None = None
+    window: int = 0
+    sinks: torch.Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def kernel_args(self, q: torch.Tensor, k_cache: torch.Tensor) -> tuple:
+        """(sinks pointer, qk_scale, cap_scale, v_scale, window); q stands in for absent sinks.
+        Against an FP8 cache the kernels prescale q (``numerics.FP8_Q_PRESCALE``): qk_scale undoes it."""
+        k_scale = self.k_scale / FP8_Q_PRESCALE.value if k_cache.dtype in FP8_KV_DTYPES else self.k_scale
+        qk_scale, cap_scale = score_scales(self.sm_scale, self.logit_cap, k_scale)
+        sinks = self.sinks if self.sinks is not None else q
+        return sinks, qk_scale, cap_scale, self.v_scale, self.window
+
+    def constants(self, k_cache: torch.Tensor) -> dict:
+        return dict(SOFTCAP=bool(self.logit_cap), HAS_SINKS=self.sinks is not None,
+                    KV_FP8=k_cache.dtype in FP8_KV_DTYPES)
 
 
 def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
-                         active_req, cta_start, plan_scalars, sm_scale: float,
+                         active_req, cta_start, plan_scalars, terms: LayerTerms,
                          num_ctas: int, page_size: int, config, use_pdl: bool, warmup: bool = False):
     """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
     o_part/lse_part hold 2 * num_ctas slots, merge_counters [num_ctas] int32 zeros).
     use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start early (sm90)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
+    sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     return launch_or_compile(
         decode_stream_kernel, (num_ctas,), warmup,
         q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req, cta_start,
-        plan_scalars, *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E, q.shape[0],
-        k_cache.shape[0] // page_size, **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl),
+        plan_scalars, sinks, *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale,
+        window, q.shape[0], k_cache.shape[0] // page_size,
+        **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl), **terms.constants(k_cache),
         num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
-def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, num_ctas: int, num_kv_heads: int, config,
-                        use_pdl: bool, warmup: bool = False):
+def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, terms: LayerTerms, num_ctas: int,
+                        num_kv_heads: int, config, use_pdl: bool, warmup: bool = False):
     """Grid (C,): one program per CTA boundary (see merge_stream_kernel). use_pdl:
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
+    sinks = terms.sinks if terms.sinks is not None else out
     return launch_or_compile(
         merge_stream_kernel, (num_ctas,), warmup,
-        o_part, lse_part, out, cta_start, plan_scalars, out.stride(0), out.stride(1),
-        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl),
+        o_part, lse_part, out, cta_start, plan_scalars, sinks, out.stride(0), out.stride(1), terms.window,
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl,
+                                 terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
 
 def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
                         unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
-                        sm_scale: float, grid: int, persistent: bool, page_size: int, config, warmup: bool = False):
+                        terms: LayerTerms, grid: int, persistent: bool, page_size: int, config,
+                        warmup: bool = False):
     """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     return launch_or_compile(
         decode_units_kernel, (grid,), warmup,
         q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
-        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
-        *_cache_strides(q, k_cache, v_cache, out, page_table), sm_scale * LOG2E, k_cache.shape[0] // page_size,
+        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, sinks,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window,
+        k_cache.shape[0] // page_size,
         **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        PERSISTENT=persistent, num_warps=config.num_warps, maxnreg=config.max_registers)
+        PERSISTENT=persistent, **terms.constants(k_cache), num_warps=config.num_warps,
+        maxnreg=config.max_registers)
 
 
-def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count, num_kv_heads: int,
-                       grid: int, warmup: bool = False):
+def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count,
+                       sinks: torch.Tensor | None, num_kv_heads: int, grid: int, warmup: bool = False):
     """Persistent merge over ``grid`` programs of the requests in merge_list [B] int32
-    (merge_count [1] int32 of them; see ``merge_units_kernel``)."""
+    (merge_count [1] int32 of them; see ``merge_units_kernel``); sinks [Hq] or None."""
     group, head_dim = out.shape[1] // num_kv_heads, out.shape[2]
     return launch_or_compile(
         merge_units_kernel, (grid,), warmup,
-        o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count, out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, num_warps=MERGE_NUM_WARPS, **merge_units_constants(group, head_dim))
+        o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count,
+        sinks if sinks is not None else out, out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HAS_SINKS=sinks is not None, num_warps=MERGE_NUM_WARPS,
+        **merge_units_constants(group, head_dim))
 
 
-def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, warmup: bool = False):
+def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, k_scale: float = 1.0,
+                    v_scale: float = 1.0, warmup: bool = False):
     """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip;
-    past the cache: skipped and flagged in errors [1] int32)."""
+    past the cache: skipped and flagged in errors [1] int32). An FP8 cache stores new / scale."""
     num_tokens, num_kv_heads, head_dim = k_new.shape
     return launch_or_compile(
         kv_write_kernel, (num_tokens,), warmup,
-        k_new, v_new, k_cache, v_cache, slot_mapping, errors, k_cache.shape[0],
+        k_new, v_new, k_cache, v_cache, slot_mapping, errors, k_cache.shape[0], k_scale, v_scale,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4)
 
 
 def resident_ctas_per_sm(compiled, device: torch.device) -> int:

@@ -21,6 +21,18 @@ bulk of a long prefill, so it runs without mask arithmetic), and tiles that need
 causal or end-of-source mask. Softmax runs in base 2 (scores scaled by
 ``sm_scale * log2(e)`` in fp32 so ``exp2`` replaces ``exp``); accumulation is fp32.
 
+Compile-time variants beside CAUSAL, WINDOW and SOFTCAP:
+
+* ``HAS_NEW``: the new tokens' K/V come from k_new/v_new (above).
+* ``KV_FP8``: the cache holds FP8 (e4m3); real K = stored K * k_scale, real V = stored V *
+  v_scale (per-tensor host floats). Tiles are widened to q's dtype in registers, k_scale
+  folds into the cache source's score scale and v_scale into the output's normaliser: the
+  accumulator holds V in stored units, so k_new/v_new tiles (real values) enter it with p
+  divided by v_scale (see ``_online_softmax``).
+* ``HAS_SINKS``: ``sinks[head]`` (natural log, neither scaled nor capped; gpt-oss) joins
+  every row's softmax denominator at the end of the row: out = sum_j e^{s_j} v_j /
+  (sum_j e^{s_j} + e^{sink}).
+
 Schedule: one program per (query block, KV head), KV head fastest. Programs are
 numbered in the order the extend plan kernel gives: requests by decreasing
 ``seq_len`` (the cost of their heaviest block), and inside a request from its last
@@ -43,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .error_bits import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
-from .numerics import dot, dot_acc, narrow
+from .numerics import LOG2E, dot, dot_acc, narrow, soft_cap
 
 @triton.jit(do_not_specialize=["batch_size", "req_begin", "max_q_len"])
 def extend_plan_kernel(
@@ -163,22 +175,20 @@ def _load_rows(base, row_off, in_range, MASKED: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale,
-                    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, p_div,
+                    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr):
     """One online-softmax step on raw scores s [BLOCK_M, BLOCK_N] fp32 = q . k.
 
+    Base-2 scores are s * qk_scale or, with SOFTCAP, ``soft_cap(s, qk_scale, cap_scale)``.
     MASKED: key tok[j] is seen by row r iff in_range[j], tok[j] <= row_pos[r] and
     (WINDOW) tok[j] > row_pos[r] - window; unmasked tiles are known to satisfy all three
     (tok, in_range, row_pos and window are then unused).
-    Returns p [BLOCK_M, BLOCK_N] (unnormalised probabilities, base 2), alpha [BLOCK_M]
-    (the rescale of the old accumulator), and the new m, l [BLOCK_M] fp32.
+    Returns p [BLOCK_M, BLOCK_N] (unnormalised probabilities, base 2; divided by the host
+    float p_div with P_DIV), alpha [BLOCK_M] (the rescale of the old accumulator), and the
+    new m, l [BLOCK_M] fp32 (l sums the undivided p).
     """
     if SOFTCAP:
-        # cap * tanh(y) in base 2, y = s * sm_scale / cap, tanh(y) = 1 - 2 / (e^{2y} + 1):
-        # qk_scale = 2 * log2(e) * sm_scale / cap, cap_scale = cap * log2(e). Saturates to
-        # +-cap_scale without inf / inf.
-        e = tl.exp2(s * qk_scale)
-        s = cap_scale - (2.0 * cap_scale) / (e + 1.0)
+        s = soft_cap(s, qk_scale, cap_scale)
     if MASKED:
         seen = in_range[None, :] & (tok[None, :] <= row_pos[:, None])
         if WINDOW:
@@ -196,27 +206,36 @@ def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    if SOFTCAP:
-        p = tl.exp2(s - m_sub[:, None])
+    if P_DIV:
+        # The division rides on exp2's per-row bias: one add per row, not a multiply per score.
+        p_sub = m_sub + tl.log2(p_div)
     else:
-        p = tl.exp2(tl.fma(s, qk_scale, -m_sub[:, None]))
+        p_sub = m_sub
+    if SOFTCAP:
+        p = tl.exp2(s - p_sub[:, None])
+    else:
+        p = tl.exp2(tl.fma(s, qk_scale, -p_sub[:, None]))
     alpha = tl.exp2(m - m_sub)
+    if P_DIV:
+        return p, alpha, m_new, l * alpha + tl.sum(p, 1) * p_div
     return p, alpha, m_new, l * alpha + tl.sum(p, 1)
 
 
 @triton.jit
 def _attend_tiles(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-    page_row_ptr, num_pages, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale,
+    page_row_ptr, num_pages, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale, p_div,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, BLOCK_D] against tiles [tile_begin, tile_end).
 
     Tile t holds KV positions tok_base + t*BLOCK_N + [0, BLOCK_N), addressed as in
     ``_tile_rows``; MASKED tiles are masked as in ``_online_softmax``, the others are
     seen in full by every row (the bulk of a long prefill, run without mask arithmetic).
+    K/V tiles of another dtype (FP8) are widened to q's dtype. Scores, p_div and P_DIV as
+    in ``_online_softmax``.
     Returns the updated (acc [BLOCK_M, BLOCK_D] fp32 unnormalised, m, l [BLOCK_M] fp32).
     """
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
@@ -229,11 +248,11 @@ def _attend_tiles(
         k_off, v_off = _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page,
                                   stride_v_off, num_pages, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
         k = _load_rows(k_base, k_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
-        s = dot(q, tl.trans(k))
-        p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, MASKED,
-                                         WINDOW, SOFTCAP)
+        s = dot(q, tl.trans(k.to(q.dtype)))
+        p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, p_div,
+                                         MASKED, WINDOW, SOFTCAP, P_DIV)
         v = _load_rows(v_base, v_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
-        acc = dot_acc(narrow(p, v.dtype), v, acc * alpha[:, None])
+        acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, m, l
 
 
@@ -252,8 +271,8 @@ def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
 @triton.jit
 def _attend_source(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-    page_row_ptr, num_pages, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    page_row_ptr, num_pages, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale, p_div,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Attend to positions [lo, hi) of one source (relative to its first position
@@ -262,16 +281,16 @@ def _attend_source(
     t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
                               page_row_ptr, num_pages, row_pos, tok_base, t0, t1, kv_end, window, qk_scale,
-                              cap_scale, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                              NUM_STAGES)
+                              cap_scale, p_div, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
+                              BLOCK_N, NUM_STAGES)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
                               page_row_ptr, num_pages, row_pos, tok_base, t1, t2, kv_end, window, qk_scale,
-                              cap_scale, PAGED, PAGE_SIZE, False, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                              NUM_STAGES)
+                              cap_scale, p_div, PAGED, PAGE_SIZE, False, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
+                              BLOCK_N, NUM_STAGES)
     acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
                               page_row_ptr, num_pages, row_pos, tok_base, t2, t3, kv_end, window, qk_scale,
-                              cap_scale, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                              NUM_STAGES)
+                              cap_scale, p_div, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
+                              BLOCK_N, NUM_STAGES)
     return acc, m, l
 
 
@@ -279,26 +298,29 @@ def _attend_source(
                             "stride_pt"])
 def extend_kernel(
     q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, out_ptr,
-    cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr, error_ptr,
-    batch_size, req_begin, capacity, window, total_q, max_q_len, num_pages, qk_scale, cap_scale,
+    cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr, error_ptr, sinks_ptr,
+    batch_size, req_begin, capacity, window, total_q, max_q_len, num_pages, qk_scale, cap_scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_page, stride_k_off, stride_k_head, stride_v_page, stride_v_off, stride_v_head,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_pt,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_NEW: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_B: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (x, h) = pid // Hkv, pid % Hkv: query block x of the planned order, KV head h.
 
-    q [total_q, Hq, D], out [total_q, Hq, D] (row stride, head stride; unit stride in D);
-    caches addressed as page * stride_page + offset * stride_off + head * stride_head;
-    k_new/v_new [total_q, Hkv, D] (HAS_NEW); page_table [B, max_pages] int32 (row stride
-    stride_pt); capacity = max_pages * PAGE_SIZE bounds every cache position read; num_pages:
-    pages in the caches. A request's q_len is clamped to [0, max_q_len] (as the plan counts
-    its blocks) and its rows to [0, total_q) (QUERY_OUT_OF_RANGE); seq_len to [q_len,
-    capacity (+ q_len with HAS_NEW)], so every query has a position and every cache position
-    read lies in the page table (LENGTH_OUT_OF_RANGE).
+    q [total_q, Hq, D], out [total_q, Hq, D] fp16/bf16 (row stride, head stride; unit stride
+    in D); caches (q's dtype, or FP8 with KV_FP8) addressed as page * stride_page + offset *
+    stride_off + head * stride_head; k_new/v_new [total_q, Hkv, D] q's dtype (HAS_NEW);
+    page_table [B, max_pages] int32 (row stride stride_pt); sinks [Hq] fp32/bf16/fp16
+    (HAS_SINKS); qk_scale, cap_scale: base-2 score scales of real K (``score_scales``);
+    k_scale, v_scale: the FP8 cache's dequantization scales (KV_FP8); capacity = max_pages *
+    PAGE_SIZE bounds every cache position read; num_pages: pages in the caches. A request's
+    q_len is clamped to [0, max_q_len] (as the plan counts its blocks) and its rows to [0,
+    total_q) (QUERY_OUT_OF_RANGE); seq_len to [q_len, capacity (+ q_len with HAS_NEW)], so
+    every query has a position and every cache position read lies in the page table
+    (LENGTH_OUT_OF_RANGE).
     """
     pid = tl.program_id(0)
     h = pid % NUM_KV_HEADS
@@ -371,25 +393,47 @@ def extend_kernel(
         else:
             cache_end = seq_len
         cache_end = tl.minimum(cache_end, capacity)
+        if KV_FP8:
+            cache_qk_scale = qk_scale * k_scale  # real scores = k_scale * (q . stored K)
+        else:
+            cache_qk_scale = qk_scale
         page_row = page_table_ptr + b.to(tl.int64) * stride_pt
         k_head = k_ptr + h.to(tl.int64) * stride_k_head
         v_head = v_ptr + h.to(tl.int64) * stride_v_head
         c_hi = tl.minimum(kv_hi, cache_end)
         acc, m, l = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
                                    stride_v_off, page_row, num_pages, row_pos, 0, kv_lo, c_hi, full_lo,
-                                   full_hi, cache_end, window, qk_scale, cap_scale, True, PAGE_SIZE, WINDOW, SOFTCAP,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                                   full_hi, cache_end, window, cache_qk_scale, cap_scale, 1.0, True, PAGE_SIZE, WINDOW,
+                                   SOFTCAP, False, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
         if HAS_NEW:
-            # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new.
+            # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new (q's
+            # dtype, real values). With KV_FP8, acc holds the cache's V in stored units (v_scale
+            # applies once, at the end), so these tiles' p enter it divided by v_scale: a per-row
+            # exp2 bias, cheaper than a multiply per score or a second accumulator. For the usual
+            # v_scale <= 1 that makes p larger, never subnormal; p / v_scale <= 1 / v_scale must
+            # fit q's dtype (fp16: v_scale > 2**-16).
             kn = k_new_ptr + q_begin.to(tl.int64) * stride_knt + h.to(tl.int64) * stride_knh
             vn = v_new_ptr + q_begin.to(tl.int64) * stride_vnt + h.to(tl.int64) * stride_vnh
             acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, num_pages,
                                        row_pos, prefix, tl.maximum(kv_lo - prefix, 0), kv_hi - prefix,
-                                       full_lo - prefix, full_hi - prefix, seq_len, window, qk_scale, cap_scale, False,
-                                       PAGE_SIZE, WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+                                       full_lo - prefix, full_hi - prefix, seq_len, window, qk_scale, cap_scale,
+                                       v_scale, False, PAGE_SIZE, WINDOW, SOFTCAP, KV_FP8, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                       NUM_STAGES)
 
+        if HAS_SINKS:
+            # The sink joins the denominator in base 2; both terms are rescaled to max(m, sink)
+            # so neither overflows. A row that saw no key keeps acc = 0 (and l = 0 if its sink
+            # is -inf, the same as no sink).
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+            top = tl.maximum(m, sink)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            alpha = tl.exp2(m - top)
+            acc = acc * alpha[:, None]
+            l = l * alpha + tl.exp2(sink - top)
         # A row that saw no key (only possible for inconsistent lengths) is written as zeros.
         safe_l = tl.where(l > 0, l, 1.0)
+        if KV_FP8:
+            safe_l = safe_l / v_scale  # acc holds V in stored units
         o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
                  narrow(o, out_ptr.dtype.element_ty), mask=row_mask)

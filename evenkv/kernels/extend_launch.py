@@ -9,8 +9,10 @@ cache viewed as ``[num_slots, Hkv, D]`` (any slot/head strides) and one viewed a
 
 import triton
 
+from evenkv.checks import FP8_KV_DTYPES
+
 from .extend import extend_kernel, extend_plan_kernel
-from .launching import LOG2E, launch_or_compile
+from .launching import launch_or_compile, score_scales
 
 # The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
 # time (a [64, 128] compare tile per step).
@@ -53,11 +55,13 @@ def cache_strides(cache, page_size: int) -> tuple[int, int, int]:
 def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
                   errors, *, num_programs_bound: int, req_begin: int, max_q_len: int, page_size: int, sm_scale: float,
                   causal: bool, window: int | None, logit_cap: float | None, block_m: int, block_n: int,
-                  num_warps: int, num_stages: int, warmup: bool = False):
+                  num_warps: int, num_stages: int, warmup: bool = False, sinks=None, k_scale: float = 1.0,
+                  v_scale: float = 1.0):
     """One program per (query block, KV head) of the plan; ``num_programs_bound`` query blocks at most.
 
-    q/out [total_q, Hq, D]; k_cache/v_cache as in ``cache_strides``; k_new/v_new
-    [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32.
+    q/out [total_q, Hq, D]; k_cache/v_cache as in ``cache_strides``, q's dtype or FP8; k_new/v_new
+    [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32; sinks [Hq]
+    or None; k_scale, v_scale: an FP8 cache's dequantization scales (unused for other caches).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[-2]
@@ -65,23 +69,22 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
     grid = num_programs_bound * num_kv_heads
     if (grid == 0 or batch == 0) and not warmup:
         return None
-    if logit_cap:  # see the SOFTCAP branch of the kernel
-        qk_scale, cap_scale = 2.0 * LOG2E * sm_scale / logit_cap, logit_cap * LOG2E
-    else:
-        qk_scale, cap_scale = sm_scale * LOG2E, 1.0
+    qk_scale, cap_scale = score_scales(sm_scale, logit_cap)
     has_new = k_new is not None
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unused pointers when not HAS_NEW
+    sink_ptr = sinks if sinks is not None else q  # unused when not HAS_SINKS
     ks, vs = cache_strides(k_cache, page_size), cache_strides(v_cache, page_size)
     num_pages = k_cache.shape[0] // page_size if k_cache.dim() == 3 else k_cache.shape[0]
     return launch_or_compile(
         extend_kernel, (max(grid, 1),), warmup,
-        q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start, errors,
+        q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start, errors, sink_ptr,
         batch, req_begin, page_table.shape[1] * page_size, window or 0, q.shape[0], max_q_len, num_pages, qk_scale,
-        cap_scale,
+        cap_scale, float(k_scale), float(v_scale),  # floats: Triton does not specialize on their values
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), page_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, G=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
         CAUSAL=causal, HAS_NEW=has_new, WINDOW=window is not None, SOFTCAP=bool(logit_cap),
-        BLOCK_B=SEARCH_BLOCK, NUM_STAGES=num_stages, num_warps=num_warps)
+        KV_FP8=k_cache.dtype in FP8_KV_DTYPES, HAS_SINKS=sinks is not None, BLOCK_B=SEARCH_BLOCK,
+        NUM_STAGES=num_stages, num_warps=num_warps)

@@ -8,6 +8,15 @@ import contextlib
 LOG2E = 1.4426950408889634
 
 
+def score_scales(sm_scale: float, logit_cap: float | None, k_scale: float = 1.0) -> tuple[float, float]:
+    """(qk_scale, cap_scale) for raw scores s = q . k_stored: base-2 scores are s * qk_scale, or
+    with a soft-cap ``numerics.soft_cap(s, qk_scale, cap_scale)``. k_scale (an FP8 cache's
+    dequantization scale) folds into qk_scale."""
+    if logit_cap:
+        return 2.0 * LOG2E * sm_scale * k_scale / logit_cap, logit_cap * LOG2E
+    return sm_scale * k_scale * LOG2E, 0.0
+
+
 def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, or with ``warmup`` only compile it for these
     arguments' types and specialization (nothing runs; None under the interpreter).

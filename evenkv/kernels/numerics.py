@@ -14,6 +14,12 @@ import triton
 import triton.language as tl
 
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+LOG2E = tl.constexpr(1.4426950408889634)
+# e4m3's largest finite value: stores into an FP8 cache saturate to it.
+FP8_E4M3_MAX = tl.constexpr(448.0)
+# Decode against an FP8 cache runs its dots in fp16; q is scaled by this first (a power of two:
+# exact) so that bf16 queries up to 2**20 stay in fp16's range.
+FP8_Q_PRESCALE = tl.constexpr(1.0 / 16.0)
 
 
 @triton.jit
@@ -41,4 +47,33 @@ def narrow(x, dtype: tl.constexpr):
                 bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
                 bits = bits + 0x7FFF + ((bits >> 16) & 1)
                 return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def soft_cap(s, qk_scale, cap_scale):
+    """Soft-capped base-2 scores of raw scores s = q . k (fp32): cap * tanh(s * sm_scale / cap)
+    * log2(e), with qk_scale = 2 * log2(e) * sm_scale / cap and cap_scale = cap * log2(e)
+    (``launching.score_scales``). tanh(y) = 1 - 2 / (e^{2y} + 1) saturates to +-cap_scale
+    without inf / inf."""
+    e = tl.exp2(s * qk_scale)
+    return cap_scale - (2.0 * cap_scale) / (e + 1.0)
+
+
+@triton.jit
+def to_fp8(x, dtype: tl.constexpr):
+    """x (fp32) saturated to e4m3's range and cast to the FP8 ``dtype``, rounding to nearest
+    even. The interpreter's cast truncates and drops the sign of zero: there the 3 mantissa
+    bits are rounded by hand first (on the fp32 bits for normal values, with an fp32 add for
+    subnormal ones, below 2**-6) and the sign bit is set after the cast."""
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    if INTERPRETER:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        # Adding 2**-9 * 1.5 * 2**23 rounds to a multiple of 2**-9, e4m3's subnormal step.
+        magic = 1.5 * 2.0 ** 14
+        subnormal = (tl.abs(x) + magic) - magic
+        magnitude = tl.where(tl.abs(x) < 2.0 ** -6, subnormal, tl.abs(normal))
+        sign = ((bits >> 24) & 0x80).to(tl.uint8)
+        return (magnitude.to(dtype).to(tl.uint8, bitcast=True) | sign).to(dtype, bitcast=True)
     return x.to(dtype)

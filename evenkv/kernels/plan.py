@@ -14,8 +14,8 @@ From device ``seq_lens`` it writes, with no host sync and into preallocated buff
   its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
   end. The decode kernel reads these with its other scalars in one round trip instead
   of a chain of three dependent loads;
-* ``plan_scalars [4] int32``  (piece, total, number of active requests, tiles of the
-  longest request) with ``piece = max(ceil(total / C), 1)``.
+* ``plan_scalars [4] int32``  (piece, total, number of active requests, the most tiles
+  of one request's segment) with ``piece = max(ceil(total / C), 1)``.
 
 Worked example (Hkv = 1, BLOCK_N = 16, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [7, 0, 2], total 9, piece 3,
@@ -24,7 +24,10 @@ cost starts [0, 7, 7]; active_req = [[0, 100], [2, 20]]; CTA starts at cost 0, 3
 (request 1 is empty and never visited; CTA 3 starts past the end).
 
 Requests lie end to end on one cost line: a request of n tiles costs ``Hkv * n``; its cost
-start is the exclusive prefix sum.
+start is the exclusive prefix sum. With a sliding window W (``window`` > 0) a request's
+tiles are those of its last min(seq_len, W) tokens, counted from the window's first token
+(``window_tiles``): a 128K-token request under a 128-token window costs the tiles of 128
+tokens, so windowed layers stay balanced.
 
 Each program recomputes the (cheap, L2-resident) prefix sum and answers BLOCK_C CTAs
 by counting ``req_cost_end <= c * piece`` instead of a serial binary search. Requests end
@@ -39,31 +42,41 @@ from .error_bits import LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE
 
 
 @triton.jit
-def _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+def window_tiles(seq_len, window, BLOCK_N: tl.constexpr):
+    """(first visible token, tiles of visible tokens) of a decode row of ``seq_len`` tokens:
+    with a sliding window (``window`` W > 0) it sees its last min(seq_len, W) tokens, else all."""
+    visible = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
+    return seq_len - visible, tl.cdiv(visible, BLOCK_N)
+
+
+@triton.jit
+def _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """(clamped length, cost, in batch, how many lengths needed the clamp) of requests ``offs``."""
     mask = offs < batch_size
     # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
     raw = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
     seq_len = tl.minimum(tl.maximum(raw, 0), capacity).to(tl.int32)
-    cost = tl.cdiv(seq_len, BLOCK_N) * NUM_KV_HEADS
-    return seq_len, cost, mask, tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
+    _, tiles = window_tiles(seq_len, window, BLOCK_N)
+    return seq_len, tiles * NUM_KV_HEADS, mask, tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity"])
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window"])
 def plan_stream_kernel(
     seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
-    batch_size, capacity, num_ctas,
+    batch_size, capacity, window, num_ctas,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
-    max_len = tl.zeros([], tl.int32)
+    max_cost = tl.zeros([], tl.int32)
     clamped = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        seq_len, cost, _, bad = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, NUM_KV_HEADS,
-                                              BLOCK_N)
+        seq_len, cost, _, bad = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, window,
+                                              NUM_KV_HEADS, BLOCK_N)
         total += tl.sum(cost, 0)
-        max_len = tl.maximum(max_len, tl.max(seq_len, 0))
+        max_cost = tl.maximum(max_cost, tl.max(cost, 0))
         clamped += bad
     piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
 
@@ -78,7 +91,8 @@ def plan_stream_kernel(
     writer = pid == 0
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        seq_len, cost, mask, _ = _request_cost(seq_lens_ptr, offs, batch_size, capacity, NUM_KV_HEADS, BLOCK_N)
+        seq_len, cost, mask, _ = _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS,
+                                               BLOCK_N)
         cost_end = tl.cumsum(cost, 0) + carry
         cost_start = cost_end - cost
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
@@ -108,20 +122,32 @@ def plan_stream_kernel(
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
-        tl.store(plan_scalars_ptr + 3, tl.cdiv(max_len, BLOCK_N))
+        tl.store(plan_scalars_ptr + 3, max_cost // NUM_KV_HEADS)
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "stride_pt", "num_pages"])
+@triton.jit
+def _used_entries(seq_lens_ptr, offs, mask, capacity, window, PAGE_SIZE: tl.constexpr):
+    """(first entry, number of entries) of requests ``offs``' page-table rows that hold
+    their visible tokens (lengths clamped to [0, capacity]; a window's last min(len, W),
+    ``window_tiles``)."""
+    lens = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + offs, mask=mask, other=0), 0), capacity).to(tl.int32)
+    first_tok, _ = window_tiles(lens, window, 1)
+    first = first_tok // PAGE_SIZE
+    return first, tl.cdiv(lens, PAGE_SIZE) - first
+
+
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "stride_pt", "num_pages"])
 def audit_pages_kernel(
-    seq_lens_ptr, page_table_ptr, error_ptr, batch_size, capacity, stride_pt, num_pages,
+    seq_lens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
     PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages).
 
     The attention kernels never dereference such an id (decode loads zeros, extend reads
     page 0 in its place); this kernel, run once per plan, is what reports it, so their tile
-    loops carry nothing for the check. The used entries of all requests (ceil(len /
-    PAGE_SIZE) each, lengths clamped to [0, capacity]) lie end to end; program p of P checks
+    loops carry nothing for the check. A request uses the entries of its visible tokens
+    (``_used_entries``: with a sliding window, engines may free or reuse the pages before
+    it). The used entries of all requests lie end to end; program p of P checks
     entries [p * E, (p + 1) * E), E = ceil(total / P): it finds its first request by counting
     (as ``plan_stream_kernel`` does), then walks requests, BLOCK_E entries per load.
     """
@@ -129,8 +155,9 @@ def audit_pages_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        lens = tl.load(seq_lens_ptr + start + offs_b, mask=start + offs_b < batch_size, other=0)
-        total += tl.sum(tl.cdiv(tl.minimum(tl.maximum(lens, 0), capacity).to(tl.int32), PAGE_SIZE), 0)
+        _, entries = _used_entries(seq_lens_ptr, start + offs_b, start + offs_b < batch_size, capacity, window,
+                                   PAGE_SIZE)
+        total += tl.sum(entries, 0)
     per = tl.cdiv(total, tl.num_programs(0))
     lo = pid * per
     hi = tl.minimum(lo + per, total)
@@ -140,8 +167,7 @@ def audit_pages_kernel(
     carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        lens = tl.load(seq_lens_ptr + offs, mask=offs < batch_size, other=0)
-        entries = tl.cdiv(tl.minimum(tl.maximum(lens, 0), capacity).to(tl.int32), PAGE_SIZE)
+        _, entries = _used_entries(seq_lens_ptr, offs, offs < batch_size, capacity, window, PAGE_SIZE)
         ends = tl.cumsum(entries, 0) + carry
         ended = (ends <= lo) & (offs < batch_size)
         req += tl.sum(ended.to(tl.int32), 0)
@@ -151,8 +177,8 @@ def audit_pages_kernel(
     bad = tl.zeros([BLOCK_E], tl.int1)
     pos = lo
     while (pos < hi) & (req < batch_size):
-        n = tl.cdiv(tl.minimum(tl.maximum(tl.load(seq_lens_ptr + req), 0), capacity).to(tl.int32), PAGE_SIZE)
-        row = page_table_ptr + req.to(tl.int64) * stride_pt
+        first, n = _used_entries(seq_lens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
+        row = page_table_ptr + req.to(tl.int64) * stride_pt + first
         stop = tl.minimum(hi, req_lo + n)
         for e in range(pos - req_lo, stop - req_lo, BLOCK_E):
             entry = e + offs_e

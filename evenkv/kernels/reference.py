@@ -1,11 +1,17 @@
 """Plain-torch fp32 oracles for every evenkv kernel, used by the tests and by the
 benchmark's correctness check. Slow and simple on purpose: loops over requests,
 no paging tricks.
+
+FP8 caches hold stored values: real K = stored K * k_scale (V likewise). Sinks [Hq] are one
+logit per query head (natural log, neither scaled nor capped) that joins the softmax
+denominator: out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) (gpt-oss).
 """
 
 import math
 
 import torch
+
+from evenkv.checks import FP8_KV_DTYPES
 
 
 def gather_request_kv(cache: torch.Tensor, page_table_row: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
@@ -39,20 +45,19 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_sc
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     page_table: torch.Tensor, page_size: int, sm_scale: float | None = None) -> torch.Tensor:
-    """Paged decode attention in fp32.
+                     page_table: torch.Tensor, page_size: int, sm_scale: float | None = None, *,
+                     sliding_window: int | None = None, logit_cap: float | None = None,
+                     sinks: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Paged decode attention in fp32: ``extend_reference`` with one query per request, at
+    position seq_len - 1 (with a window W it sees keys [seq_len - W, seq_len)).
 
     q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D]; seq_lens [B] int;
     page_table [B, max_pages] int32. Returns [B, Hq, D] fp32 (zeros where seq_len is 0).
     """
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_request_kv(k_cache, page_table[b], seq_len, page_size)
-        v = gather_request_kv(v_cache, page_table[b], seq_len, page_size)
-        out[b] = attention_reference(q[b], k, v, sm_scale)[0]
-    return out
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, device=q.device)
+    return extend_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, page_size, sm_scale=sm_scale,
+                            sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks, k_scale=k_scale,
+                            v_scale=v_scale)
 
 
 def merge_reference(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> torch.Tensor:
@@ -66,30 +71,36 @@ def merge_reference(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> torch.Ten
 
 
 def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """In place: cache[slot_mapping[i]] = new[i] for slot >= 0. k_new/v_new [N, Hkv, D]."""
+                       slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """In place: cache[slot_mapping[i]] = new[i] for slot >= 0. k_new/v_new [N, Hkv, D]. An FP8
+    cache stores new / scale, saturated to its finite range and rounded to nearest even."""
     keep = slot_mapping >= 0
-    k_cache[slot_mapping[keep].long()] = k_new[keep].to(k_cache.dtype)
-    v_cache[slot_mapping[keep].long()] = v_new[keep].to(v_cache.dtype)
-
-
+    slots = slot_mapping[keep].long()
+    for cache, new, scale in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
+        if cache.dtype in FP8_KV_DTYPES:
+            top = torch.finfo(cache.dtype).max
+            cache[slots] = (new[keep].float() / scale).clamp(-top, top).to(cache.dtype)
+        else:
+            cache[slots] = new[keep].to(cache.dtype)
 
 
 def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      seq_lens: torch.Tensor, page_table: torch.Tensor, page_size: int, *,
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      sm_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
-                     logit_cap: float | None = None, compute_dtype: torch.dtype = torch.float32,
+                     logit_cap: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32,
                      max_scores: int = 1 << 26) -> torch.Tensor:
     """Varlen paged extend attention, the same contract as ``evenkv.extend``.
 
-    q [total_q, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D];
-    cu_seqlens_q [B+1]; seq_lens [B] (KV length including the new tokens); page_table
-    [B, max_pages]; k_new/v_new None (new tokens already in the cache) or [total_q, Hkv, D]
-    (cache holds positions < seq_len - q_len only). Query i of request b is at position
-    seq_len - q_len + i; causal: sees keys <= its position; sliding_window W >= 1: keys in
-    [p - W + 1, p]; logit_cap c > 0: scores -> c * tanh(scores / c). None or 0 disables
-    window and cap.
+    q [total_q, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D],
+    q's dtype or FP8 (real K = k_cache.float() * k_scale, V likewise); cu_seqlens_q [B+1];
+    seq_lens [B] (KV length including the new tokens); page_table [B, max_pages]; k_new/v_new
+    None (new tokens already in the cache) or [total_q, Hkv, D] real values (cache holds
+    positions < seq_len - q_len only). Query i of request b is at position seq_len - q_len + i; causal:
+    sees keys <= its position; sliding_window W >= 1: keys in [p - W + 1, p]; logit_cap c > 0:
+    scores -> c * tanh(scores / c). None or 0 disables window and cap. sinks: None or [Hq]
+    (see the module docstring).
 
     compute_dtype: fp32 (the oracle) or the inputs' low dtype (torch's own low-precision
     baseline for the tolerance rule: scores, softmax and PV rounded to that dtype).
@@ -113,14 +124,12 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if q_len == 0:
             continue
         prefix = seq_len - q_len
-        if k_new is None:
-            k = gather_request_kv(k_cache, page_table[b], seq_len, page_size)
-            v = gather_request_kv(v_cache, page_table[b], seq_len, page_size)
-        else:
-            k = torch.cat([gather_request_kv(k_cache, page_table[b], prefix, page_size),
-                           k_new[q_begin:q_begin + q_len].to(k_cache.dtype)])
-            v = torch.cat([gather_request_kv(v_cache, page_table[b], prefix, page_size),
-                           v_new[q_begin:q_begin + q_len].to(v_cache.dtype)])
+        cached = seq_len if k_new is None else prefix
+        k = gather_request_kv(k_cache, page_table[b], cached, page_size).float() * k_scale
+        v = gather_request_kv(v_cache, page_table[b], cached, page_size).float() * v_scale
+        if k_new is not None:
+            k = torch.cat([k, k_new[q_begin:q_begin + q_len].float()])
+            v = torch.cat([v, v_new[q_begin:q_begin + q_len].float()])
         k = k.to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.to(compute_dtype).repeat_interleave(group, dim=1)
         key_pos = torch.arange(seq_len, device=q.device)
@@ -138,6 +147,10 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             if sliding_window:
                 seen &= key_pos[None, :] > q_pos[:, None] - sliding_window
             scores = scores.masked_fill(~seen[None], -math.inf)
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key -> zeros
+            if sinks is not None:  # one more logit per head, with no value
+                scores = torch.cat([scores, sinks.to(compute_dtype)[:, None, None].expand(-1, i1 - i0, 1)], -1)
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (and no sink) -> zeros
+            if sinks is not None:
+                probs = probs[..., :-1]
             out[q_begin + i0:q_begin + i1] = torch.einsum("hnl,lhd->nhd", probs, v)
     return out

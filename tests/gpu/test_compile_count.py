@@ -42,15 +42,24 @@ def test_the_hook_counts(compiles):
     assert any("kv_write_kernel" in name for name in compiles)
 
 
-@pytest.mark.parametrize("page_size,new_tokens", [(16, False), (1, True)], ids=["vllm-like", "sglang-like"])
-def test_no_compilation_after_warmup(compiles, page_size, new_tokens):
+@pytest.mark.parametrize("page_size,new_tokens,gpt_oss", [(16, False, False), (1, True, False), (16, False, True)],
+                         ids=["vllm-like", "sglang-like", "gpt-oss-like"])
+def test_no_compilation_after_warmup(compiles, page_size, new_tokens, gpt_oss):
+    """gpt-oss-like: a 128-token sliding window, bf16 sinks and an FP8 cache with scales."""
     max_batch, width = 2048, 256
     q, k_new, v_new, k_cache, v_cache = _tensors("cuda", page_size, num_pages=4096 // page_size * 64,
                                                  tokens=4096, packed=not new_tokens)
+    layer, run, scales = {}, {}, {}
+    if gpt_oss:
+        kv = torch.zeros(k_cache.shape[0], HKV, 2 * D, dtype=torch.float8_e4m3fn, device="cuda")  # vLLM's K|V halves
+        k_cache, v_cache = kv[..., :D], kv[..., D:]
+        layer = dict(sliding_window=128, kv_dtype=torch.float8_e4m3fn)
+        scales = dict(k_scale=0.5, v_scale=0.25)
+        run = dict(sinks=torch.zeros(HQ, dtype=torch.bfloat16, device="cuda"), **scales)
     out = torch.empty(q.shape, dtype=q.dtype, device="cuda")
-    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, "cuda", max_batch, width)
+    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, "cuda", max_batch, width, **layer)
     kn, vn = (k_new, v_new) if new_tokens else (None, None)
-    attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out)
+    attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out, sinks=run.get("sinks"))
     warmup_write_kv(k_cache, v_cache, k_new, v_new)
     compiles.clear()
     gen = torch.Generator().manual_seed(1)
@@ -71,9 +80,9 @@ def test_no_compilation_after_warmup(compiles, page_size, new_tokens):
         seq_lens = (torch.tensor(q_lens) + prefix).clamp(max=cols * page_size).to(dtype).cuda()
         plan = attn.plan(cu, seq_lens, tables[:batch, :cols], num_decodes=decodes, max_q_len=max(q_lens))
         attn.run(plan, q[:total], k_cache, v_cache, out=out[:total], k_new=kn[:total] if new_tokens else None,
-                 v_new=vn[:total] if new_tokens else None)
+                 v_new=vn[:total] if new_tokens else None, **run)
         slots = torch.randint(-1, k_cache.shape[0], (total,), generator=gen).cuda()
-        evenkv.write_kv(k_cache, v_cache, k_new[:total], v_new[:total], slots)
+        evenkv.write_kv(k_cache, v_cache, k_new[:total], v_new[:total], slots, **scales)
     torch.cuda.synchronize()
     assert compiles == [], f"kernels compiled after warm-up: {compiles}"
     evenkv.check_errors()

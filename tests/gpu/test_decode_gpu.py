@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import evenkv
-from evenkv.kernels.reference import decode_reference
+from evenkv.kernels.reference import decode_reference, extend_reference
 from evenkv.testing import random_paged_batch
 from helpers import TOLERANCE_FLOOR, lowp_decode
 
@@ -63,6 +63,44 @@ def test_realistic_shapes(policy, arch, page_size):
         plan = attn.plan(seq_lens, pt)
         out = attn.run(plan, q, k, v)
         check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
+
+
+def fp8_copy(cache, scale):
+    """cache (real values) stored as e4m3: real / scale, saturated (what write_kv stores)."""
+    return (cache.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("name,shape,layer,fp8", [
+    ("gpt-oss-window", (64, 8, 64), dict(sliding_window=128), True),
+    ("gpt-oss-full", (64, 8, 64), dict(), True),
+    ("qwen3-fp8", (HQ, HKV, D), dict(), True),
+    ("gemma-like", (16, 8, 256), dict(sliding_window=4096, logit_cap=50.0), False),
+])
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+def test_layer_features_realistic(name, shape, layer, fp8, policy):
+    """Windows, soft-caps, sinks (gpt-oss shapes) and FP8 caches at serving sizes, skewed batches."""
+    hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(2)
+    sinks = torch.randn(hq, generator=gen).cuda() if name.startswith("gpt-oss") else None
+    for total, batch, share in ((262144, 64, 0.8), (262144, 512, 0.4), (65536, 1, 0.0)):
+        lens = skewed_lens(total, batch, share, gen)
+        q, k, v, seq_lens, pt = build(lens, 16, hq=hq, hkv=hkv, d=d)
+        terms = {}
+        if fp8:
+            k, v = fp8_copy(k, 0.02), fp8_copy(v, 0.01)
+            terms = dict(k_scale=0.02, v_scale=0.01)
+        attn = evenkv.DecodeAttention(hq, hkv, d, 16, q.dtype, "cuda", 512, pt.shape[1], policy,
+                                      kv_dtype=k.dtype, **layer)
+        out = attn.run(attn.plan(seq_lens, pt), q, k, v, sinks=sinks, **terms)
+        rows = torch.tensor(sorted({r for r in (0, 1, batch // 2, batch - 1) if r < batch}), device="cuda")
+        ref_terms = dict(layer, sinks=sinks, **terms)
+        sub = (q[rows], k, v, seq_lens[rows], pt[rows], 16)
+        cu = torch.arange(rows.numel() + 1, device="cuda")
+        ref = decode_reference(*sub, **ref_terms)
+        lowp = extend_reference(sub[0], k, v, cu, sub[3], sub[4], 16, compute_dtype=q.dtype, **ref_terms)
+        err = (out[rows].float() - ref).abs().max().item()
+        bound = 2 * (lowp.float() - ref).abs().max().item() + TOLERANCE_FLOOR[q.dtype]
+        assert err <= bound, f"{name} {policy} B={batch}: error {err:.3e} > {bound:.3e}"
 
 
 @pytest.mark.parametrize("shape,page_size", [((HQ, HKV, D), 16), ((32, 8, 64), 1)], ids=["d128-p16", "d64-p1"])

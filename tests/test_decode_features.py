@@ -1,0 +1,181 @@
+"""CPU-lane tests of what a layer adds to plain decode: a sliding window, a logit soft-cap,
+attention sinks and an FP8 (e4m3) KV cache, alone and together, on every policy, against the
+fp32 reference over the same (dequantized) cache; the FP8 KV write against torch's cast;
+and the window's plan: a request costs the tiles of its window only."""
+
+import pytest
+import torch
+
+import evenkv
+from evenkv.kernels.reference import kv_write_reference
+from helpers import assert_close_to_reference, make_paged_batch
+
+FP8 = torch.float8_e4m3fn
+HQ, HKV, D, PAGE = 4, 2, 64, 16
+# A long request cut across CTAs, a page-boundary one, one inside any window, an empty row.
+LENS = [150, 32, 5, 0, 77]
+K_SCALE, V_SCALE = 0.05, 0.04
+FEATURES = {
+    "window": dict(sliding_window=40),
+    "window_1": dict(sliding_window=1),
+    "cap": dict(logit_cap=2.0),
+    "sinks": dict(sinks=True),
+    "fp8": dict(fp8=True),
+    "all": dict(sliding_window=24, logit_cap=3.0, sinks=True, fp8=True),
+}
+
+
+def _fp8_caches(k_cache, v_cache):
+    """The same random cache quantized to e4m3 (stored = real / scale), as write_kv stores it."""
+    k8, v8 = torch.empty_like(k_cache, dtype=FP8), torch.empty_like(v_cache, dtype=FP8)
+    slots = torch.arange(k_cache.shape[0], device=k_cache.device)
+    kv_write_reference(k8, v8, k_cache, v_cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    return k8, v8
+
+
+def _run_case(device, policy, features, *, dtype=torch.bfloat16, deterministic=None):
+    q, kc, vc, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, D, PAGE, dtype, device, seed=3)
+    layer = dict(sliding_window=features.get("sliding_window"), logit_cap=features.get("logit_cap"))
+    run = {}
+    if features.get("sinks"):
+        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
+    if features.get("fp8"):
+        kc, vc = _fp8_caches(kc, vc)
+        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, dtype, device, 8, pt.shape[1], policy, num_ctas=5,
+                                  kv_dtype=kc.dtype, deterministic=deterministic, **layer)
+    out = attn.run(attn.plan(seq_lens, pt), q, kc, vc, **run)
+    assert_close_to_reference(out, q, kc, vc, seq_lens, pt, PAGE, **layer, **run)
+    assert torch.all(out[seq_lens == 0] == 0)
+    return out
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_balanced_decode_features(device, feature):
+    _run_case(device, "balanced", FEATURES[feature])
+
+
+@pytest.mark.parametrize("policy,deterministic", [("fa3", None), ("none", None), ("balanced", True)],
+                         ids=["fa3", "none", "deterministic"])
+def test_every_policy_with_all_features(device, policy, deterministic):
+    _run_case(device, policy, FEATURES["all"], deterministic=deterministic)
+
+
+def test_sink_limits(device):
+    """A sink far above every score takes all the weight (output ~0); one far below takes
+    none (the output is the no-sink output, bitwise: its exp2 underflows to 0)."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([70, 9], HQ, HKV, D, PAGE, torch.float16, device, seed=1)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 2, pt.shape[1], num_ctas=3)
+    plan = attn.plan(seq_lens, pt)
+    plain = attn.run(plan, q, kc, vc)
+    low = attn.run(plan, q, kc, vc, sinks=torch.full((HQ,), -1e4, device=device))
+    high = attn.run(plan, q, kc, vc, sinks=torch.full((HQ,), 1e4, device=device))
+    assert torch.equal(low, plain)
+    assert high.abs().max().item() == 0
+
+
+def test_window_plan_costs_window_tiles(device):
+    """The balanced plan puts a request of n tokens under window W at cost ceil(min(n, W) /
+    BLOCK_N) per KV head: a 128K-token request under a 128-token window costs 128 tokens' tiles."""
+    lens = torch.tensor([131072, 100, 0, 3000], dtype=torch.int32, device=device)
+    pt = torch.zeros(4, 131072 // PAGE, dtype=torch.int32, device=device)
+    for window in (None, 128):
+        attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.bfloat16, device, 4, pt.shape[1], num_ctas=4,
+                                      sliding_window=window)
+        plan = attn.plan(lens, pt)
+        block_n = plan.config.block_n
+        visible = lens.clamp(max=window) if window else lens
+        tiles = (visible + block_n - 1) // block_n
+        assert int(plan.schedule.plan_scalars[1]) == int(tiles.sum()) * HKV
+        assert int(plan.schedule.plan_scalars[3]) == int(tiles.max())
+
+
+def test_window_reads_no_page_before_it(device):
+    """Pages before a request's window are never read: with them pointing outside the cache,
+    the result is exact and the page audit flags nothing."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([100, 40], HQ, HKV, D, PAGE, torch.float16, device, seed=2)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 2, pt.shape[1], num_ctas=3,
+                                  sliding_window=16)
+    out = attn.run(attn.plan(seq_lens, pt), q, kc, vc)
+    assert_close_to_reference(out, q, kc, vc, seq_lens, pt, PAGE, sliding_window=16)
+    evicted = pt.clone()
+    evicted[:, 0] = 1 << 30  # tokens 0..15 of each request: before a 16-token window of both
+    evenkv.check_errors(device)
+    assert torch.equal(attn.run(attn.plan(seq_lens, evicted), q, kc, vc), out)
+    assert evenkv.errors.peek(device) == []
+
+
+def test_fp8_write_kv_matches_torch_cast(device):
+    """write_kv into an FP8 cache stores new / scale rounded to nearest even and saturated to
+    +-448, bit for bit as torch's cast of the clamped quotient (normal, subnormal and
+    out-of-range values, ties included)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = 64
+    k_new = torch.randn(n, HKV, D, generator=gen, device=device) * 3
+    v_new = torch.randn(n, HKV, D, generator=gen, device=device)
+    k_new[0, 0, :9] = torch.tensor([1000.0, -1000.0, 449.0, 2 ** -8, 2 ** -10, 2 ** -7 * 1.0625, 0.0, -0.0, -2 ** -12])
+    v_new[1, 1, :4] = torch.tensor([1.0625, 1.1875, 2 ** -9 * 1.5, -2 ** -9 * 2.5])  # ties to even
+    slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(1))[:n].to(device)
+    slots[3] = -1
+    k8, v8 = torch.zeros(2 * n, HKV, D, dtype=FP8, device=device), torch.zeros(2 * n, HKV, D, dtype=FP8, device=device)
+    rk, rv = k8.clone(), v8.clone()
+    evenkv.write_kv(k8, v8, k_new, v_new, slots, k_scale=0.5, v_scale=1.0)
+    kv_write_reference(rk, rv, k_new, v_new, slots, k_scale=0.5, v_scale=1.0)
+    assert torch.equal(k8.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), rv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("run_kwargs,error,fragment", [
+    (dict(sinks=torch.zeros(HQ + 1)), ValueError, "sinks"),
+    (dict(sinks=torch.zeros(HQ, dtype=torch.int32)), TypeError, "sinks"),
+    (dict(sinks=[0.0] * HQ), TypeError, "sinks"),
+    (dict(k_scale=torch.tensor(0.5)), TypeError, "k_scale"),
+    (dict(k_scale=0.0), ValueError, "k_scale"),
+    (dict(v_scale=float("nan")), ValueError, "v_scale"),
+    (dict(k_scale=0.5), ValueError, "scales must be 1.0"),
+])
+def test_bad_layer_arguments(device, run_kwargs, error, fragment):
+    q, kc, vc, seq_lens, pt = make_paged_batch([20], HQ, HKV, D, PAGE, torch.float16, device)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 1, pt.shape[1])
+    plan = attn.plan(seq_lens, pt)
+    run_kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in run_kwargs.items()}
+    with pytest.raises(error, match=fragment):
+        attn.run(plan, q, kc, vc, **run_kwargs)
+
+
+@pytest.mark.parametrize("ctor_kwargs,error,fragment", [
+    (dict(sliding_window=-1), ValueError, "sliding_window"),
+    (dict(sliding_window=2.5), TypeError, "sliding_window"),
+    (dict(logit_cap=-1.0), ValueError, "logit_cap"),
+    (dict(kv_dtype=torch.float32), TypeError, "kv_dtype"),
+    (dict(kv_dtype=torch.float8_e5m2), TypeError, "kv_dtype"),
+])
+def test_bad_layer_constructor_arguments(device, ctor_kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 1, 4, **ctor_kwargs)
+
+
+def test_cache_dtype_must_match_kv_dtype(device):
+    q, kc, vc, seq_lens, pt = make_paged_batch([20], HQ, HKV, D, PAGE, torch.bfloat16, device)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.bfloat16, device, 1, pt.shape[1], kv_dtype=FP8)
+    plan = attn.plan(seq_lens, pt)
+    with pytest.raises(TypeError, match="k_cache"):
+        attn.run(plan, q, kc, vc)
+    k8, v8 = _fp8_caches(kc, vc)
+    with pytest.raises(TypeError, match="v_cache"):
+        attn.run(plan, q, k8, vc)
+
+
+def test_fp8_needs_sm89(monkeypatch):
+    """An FP8 cache is refused on GPUs older than SM89 (Triton cannot widen e4m3 there), with
+    the capability in the message; a bf16 cache is not."""
+    from evenkv import checks
+
+    monkeypatch.setattr(checks, "is_interpreter", lambda: False)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="kv_dtype.*8.9.*got 8.0"):
+        checks.check_fp8_capable(FP8, gpu)
+    checks.check_fp8_capable(torch.bfloat16, gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    checks.check_fp8_capable(FP8, gpu)
