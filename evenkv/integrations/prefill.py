@@ -24,12 +24,20 @@ class VllmFlashAttention:
     def __init__(self, varlen, fa_version: int):
         self.varlen, self.fa_version = varlen, fa_version
         self.name = f"FA{fa_version} (vllm.vllm_flash_attn)"
+        self.supports_sinks = fa_version >= 3  # FA2 has no sink term
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale):
+                 sm_scale, sliding_window=None, logit_cap=None, sinks=None):
         self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
                     seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
+                    window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=sinks,
                     block_table=page_table, fa_version=self.fa_version)
+
+
+def fa_window(sliding_window: int | None) -> tuple[int, int]:
+    """FlashAttention's (left, right) window of a causal layer with window W (keys [p - W + 1,
+    p]): (W - 1, 0); (-1, -1) without one."""
+    return (sliding_window - 1, 0) if sliding_window else (-1, -1)
 
 
 def vllm_flash_attention(device) -> VllmFlashAttention | None:
@@ -55,15 +63,16 @@ class SGLangFlashAttention:
     evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
 
     name = "FA3 (SGLang's flash_attn_with_kvcache)"
+    supports_sinks = True
 
     def __init__(self, with_kvcache):
         self.with_kvcache = with_kvcache
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale):
+                 sm_scale, sliding_window=None, logit_cap=None, sinks=None):
         self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
-                          out=out)
+                          window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out)
 
 
 def sglang_flash_attention(device) -> SGLangFlashAttention | None:

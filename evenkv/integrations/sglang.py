@@ -69,7 +69,7 @@ def unsupported_reasons(model_runner) -> list[str]:
     """Every reason evenkv cannot serve ``model_runner``'s configuration ([] = supported)."""
     from evenkv.checks import PAGE_SIZES
     from evenkv.decode import POLICIES
-    from evenkv.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+    from evenkv.checks import FP8_KV_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
     reasons = []
     args = model_runner.server_args
@@ -84,9 +84,6 @@ def unsupported_reasons(model_runner) -> list[str]:
         reasons.append("MLA models (DeepSeek-style latent attention) are not supported; evenkv is MHA/GQA only")
     if getattr(cfg, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (cross attention) are not supported")
-    if getattr(model_runner, "sliding_window_size", None) is not None:
-        reasons.append(f"sliding-window attention (window {model_runner.sliding_window_size}) is not supported "
-                       "in decode yet")
 
     # Serving modes evenkv does not implement.
     if getattr(args, "speculative_algorithm", None) is not None:
@@ -109,22 +106,27 @@ def unsupported_reasons(model_runner) -> list[str]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if not isinstance(pool, MHATokenToKVPool):
+        hint = (" (a sliding-window model: add --disable-hybrid-swa-memory, so every layer reads the one "
+                "token pool)" if getattr(model_runner, "is_hybrid_swa", False) else "")
         reasons.append(f"KV pool {type(pool).__name__} is not supported (evenkv reads MHATokenToKVPool's "
-                       "[slots, heads, head_dim] buffers; hybrid SWA/linear/MLA pools are not)")
+                       f"[slots, heads, head_dim] buffers; hybrid SWA/linear/MLA pools are not){hint}")
     else:
         if getattr(pool, "kv_cache_layout", "nhd") != "nhd":
             reasons.append(f"KV cache layout {pool.kv_cache_layout!r} is not supported (only NHD; unset "
                            "SGLANG_USE_HND_KVCACHE)")
-        if getattr(pool, "is_quantized_kv_cache", False) or pool.dtype not in SUPPORTED_DTYPES \
-                or pool.store_dtype != pool.dtype:
-            reasons.append(f"KV cache dtype {pool.dtype} is not supported (fp16/bf16 only; no fp8/fp4 KV cache)")
+        if getattr(pool, "is_quantized_kv_cache", False) or pool.dtype not in SUPPORTED_DTYPES + FP8_KV_DTYPES:
+            reasons.append(f"KV cache dtype {pool.dtype} is not supported (fp16/bf16, or fp8_e4m3 with per-tensor "
+                           "scales; no fp8_e5m2/fp4 KV cache)")
         if pool.head_dim not in SUPPORTED_HEAD_DIMS:
             reasons.append(f"head_dim {pool.head_dim} is not supported (evenkv: {SUPPORTED_HEAD_DIMS})")
         if pool.v_head_dim != pool.head_dim:
             reasons.append(f"v_head_dim {pool.v_head_dim} != head_dim {pool.head_dim} is not supported")
     model_dtype = getattr(model_runner, "dtype", None)
-    if model_dtype is not None and isinstance(pool, MHATokenToKVPool) and model_dtype != pool.dtype:
+    if model_dtype is not None and isinstance(pool, MHATokenToKVPool) and model_dtype != pool.dtype \
+            and pool.dtype not in FP8_KV_DTYPES:
         reasons.append(f"model dtype {model_dtype} differs from KV cache dtype {pool.dtype}")
+    if model_dtype is not None and model_dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"model dtype {model_dtype} is not supported (evenkv: fp16/bf16)")
     allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
     if getattr(allocator, "translate_kv_loc", None) is not None:
         reasons.append(f"KV allocator {type(allocator).__name__} maps virtual to physical slots "

@@ -11,10 +11,15 @@ What SGLang hands us, and what we make of it (SGLang 0.5.17 to 0.5.23):
 - KV buffers ``[num_slots, Hkv, D]`` per layer (``MHATokenToKVPool``, NHD). New K/V are
   written with the pool's ``set_kv_buffer`` before attention, as every SGLang backend does.
 
-One ``evenkv.Attention`` plans each batch once (``init_forward_metadata``) and runs it for
-every layer: decode batches on the balanced decode kernels (``num_decodes = B``); extend
-batches (prefill, chunked prefill, mixed) on the extend kernel (``num_decodes = 0``),
-reading the cached prefix from the pool and the new tokens' K/V from the layer's inputs.
+One ``evenkv.Attention`` per layer kind (``LayerKind``: sliding window, soft-cap; gpt-oss
+and Gemma alternate two) plans each batch once (``init_forward_metadata``) and runs it for
+every layer of that kind: decode batches on the balanced decode kernels (``num_decodes =
+B``); extend batches (prefill, chunked prefill, mixed) on SGLang's FA3 or evenkv's extend
+kernel (``num_decodes = 0``), reading the cached prefix from the pool and the new tokens'
+K/V from the layer's inputs. Attention sinks come with each call (``sinks=``). An FP8 pool
+(``--kv-cache-dtype fp8_e4m3``) is read with each layer's ``k_scale_float`` /
+``v_scale_float``; its new tokens are read back from the pool, where SGLang has just
+quantized them.
 
 CUDA graphs (decode; SGLang's ``full`` decode graph runner):
 
@@ -53,14 +58,28 @@ logger = logging.getLogger("evenkv")
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What a layer adds to plain causal attention, as evenkv plans it: layers of one kind
+    share a plan. window: W (SGLang's ``sliding_window_size`` + 1) or None; logit_cap: c or None."""
+
+    window: int | None = None
+    logit_cap: float | None = None
+
+    @classmethod
+    def of(cls, layer) -> "LayerKind":
+        window = layer.sliding_window_size
+        return cls(window + 1 if window is not None and window > -1 else None, layer.logit_cap or None)
+
+
+@dataclass(frozen=True)
 class ForwardMetadata:
-    """One batch, as planned: its AttentionPlan and the host ints forward needs.
+    """One batch, as planned: an AttentionPlan per layer kind and the host ints forward needs.
 
     num_tokens: query rows of the batch (B for decode, sum of extend lengths for extend).
     decode: True for a decode batch (num_decodes = B).
     """
 
-    plan: AttentionPlan
+    plans: dict[LayerKind, AttentionPlan]
     num_tokens: int
     decode: bool
 
@@ -70,8 +89,9 @@ class EvenKVAttnBackend(AttentionBackend):
 
     Build it through the registry (``--attention-backend evenkv``); the factory in
     ``evenkv.integrations.sglang`` has already refused unsupported configurations.
-    Per-layer features evenkv does not have (soft-cap, sliding window, sinks,
-    encoder/cross attention, scaled KV) raise NotImplementedError at the layer's first call.
+    Per-layer features evenkv does not have (encoder/cross attention, a soft-cap other than
+    tanh, a layer of a kind the model did not declare) raise NotImplementedError at the
+    layer's first call.
     """
 
     # seq_lens_cpu narrows the per-step page-table copy to the batch's live width.
@@ -91,18 +111,25 @@ class EvenKVAttnBackend(AttentionBackend):
         self.num_q_heads = total_q_heads // attn_tp
         self.num_kv_heads = pool.head_num
         self.head_dim = pool.head_dim
-        self.dtype = pool.dtype
+        self.kv_dtype = pool.dtype
+        self.fp8 = pool.dtype == torch.float8_e4m3fn
+        self.dtype = model_runner.dtype if self.fp8 else pool.dtype  # a 16-bit pool is in the model dtype
         # Widest page table a request can need: the req_to_token row, in pages.
         self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
-        self.attention = Attention(self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype,
-                                   self.device, max_batch_size, self.max_pages, policy,
-                                   prefill_kernel=sglang_flash_attention(self.device),
-                                   deterministic=True if deterministic else None,
-                                   max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21)
-        logger.info("evenkv: every attention layer decodes on evenkv's balanced kernels; prefill and extend run "
-                    "on %s", self.attention.prefill_reason)
+        prefill = sglang_flash_attention(self.device)
+        self.layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model)
+        self.attentions = {}
+        for kind in set(self.layer_kinds.values()) or {LayerKind()}:
+            self.attentions[kind] = Attention(
+                self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.device,
+                max_batch_size, self.max_pages, policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
+                kv_dtype=self.kv_dtype, prefill_kernel=prefill, deterministic=True if deterministic else None,
+                max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21)
+            logger.info("evenkv: attention layers of %s decode on evenkv's balanced kernels; prefill and extend run "
+                        "on %s", kind, self.attentions[kind].prefill_reason)
+        self.deterministic = bool(deterministic)
         self.errors = ErrorWatcher(self.device)  # polled once per step: logs bad batch data, never syncs
         self._warmup()
         # cu_seqlens_q of every decode batch: request i owns q row i.
@@ -122,7 +149,11 @@ class EvenKVAttnBackend(AttentionBackend):
         k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
         k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(0)
-        self.attention.warmup(q, k_cache, v_cache, k_new=k, v_new=v, out=torch.empty_like(q))
+        sinks = None if self.sinks_dtype is None else torch.zeros(hq, dtype=self.sinks_dtype, device=self.device)
+        # An FP8 pool's new tokens are read back from it (see forward_extend).
+        new = {} if self.fp8 else dict(k_new=k, v_new=v)
+        for attention in self.attentions.values():
+            attention.warmup(q, k_cache, v_cache, out=torch.empty_like(q), sinks=sinks, **new)
 
     # -- metadata -----------------------------------------------------------------
 
@@ -176,10 +207,11 @@ class EvenKVAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         seq_lens_cpu = forward_batch.seq_lens_cpu
         page_table = self._gather_page_table(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
-        plan = self.attention.plan(self._decode_cu_seqlens[:bs + 1], forward_batch.seq_lens[:bs], page_table,
-                                   num_decodes=bs, max_q_len=1,
-                                   seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
-        self.forward_metadata = ForwardMetadata(plan, bs, decode=True)
+        plans = {kind: attention.plan(self._decode_cu_seqlens[:bs + 1], forward_batch.seq_lens[:bs], page_table,
+                                      num_decodes=bs, max_q_len=1,
+                                      seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
+                 for kind, attention in self.attentions.items()}
+        self.forward_metadata = ForwardMetadata(plans, bs, decode=True)
 
     def _plan_extend(self, forward_batch) -> None:
         bs = forward_batch.batch_size
@@ -196,9 +228,10 @@ class EvenKVAttnBackend(AttentionBackend):
         cu_seqlens_q[1:] = torch.cumsum(ext_lens, dim=0)
         page_table = self._gather_page_table(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
         max_seq_len = int(max(seq_lens_cpu)) if seq_lens_cpu is not None and len(seq_lens_cpu) else None
-        plan = self.attention.plan(cu_seqlens_q, forward_batch.seq_lens[:bs], page_table, num_decodes=0,
-                                   max_q_len=max_q_len, max_seq_len=max_seq_len)
-        self.forward_metadata = ForwardMetadata(plan, total_q, decode=False)
+        plans = {kind: attention.plan(cu_seqlens_q, forward_batch.seq_lens[:bs], page_table, num_decodes=0,
+                                      max_q_len=max_q_len, max_seq_len=max_seq_len)
+                 for kind, attention in self.attentions.items()}
+        self.forward_metadata = ForwardMetadata(plans, total_q, decode=False)
 
     # -- CUDA graphs (decode) --------------------------------------------------------
 
@@ -207,9 +240,9 @@ class EvenKVAttnBackend(AttentionBackend):
         if max_num_tokens != max_bs:
             raise NotImplementedError(f"evenkv: decode CUDA graphs with {max_num_tokens} tokens for {max_bs} requests "
                                       "(more than one query token per request) are not supported")
-        if max_bs > self.attention.max_batch_size:
-            raise ValueError(f"evenkv: CUDA graphs of up to {max_bs} requests, but the request pool holds "
-                             f"{self.attention.max_batch_size}")
+        pool_rows = next(iter(self.attentions.values())).max_batch_size
+        if max_bs > pool_rows:
+            raise ValueError(f"evenkv: CUDA graphs of up to {max_bs} requests, but the request pool holds {pool_rows}")
         self.cuda_graph_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.cuda_graph_page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=self.device)
 
@@ -245,21 +278,22 @@ class EvenKVAttnBackend(AttentionBackend):
             raise NotImplementedError(f"evenkv: CUDA graphs for forward mode {forward_batch.forward_mode.name} "
                                       "are not supported")
         bs = forward_batch.batch_size
-        plan = self.attention.plan(self._decode_cu_seqlens[:bs + 1], self.cuda_graph_seq_lens[:bs],
-                                   self.cuda_graph_page_table[:bs], num_decodes=bs, max_q_len=1)
-        self.forward_metadata = ForwardMetadata(plan, bs, decode=True)
+        plans = {kind: attention.plan(self._decode_cu_seqlens[:bs + 1], self.cuda_graph_seq_lens[:bs],
+                                      self.cuda_graph_page_table[:bs], num_decodes=bs, max_q_len=1)
+                 for kind, attention in self.attentions.items()}
+        self.forward_metadata = ForwardMetadata(plans, bs, decode=True)
 
     # -- forward ------------------------------------------------------------------------
 
     def _check_layer(self, layer, kwargs: dict) -> None:
-        """Refuse per-layer features evenkv lacks (each layer checked once; sinks every call)."""
-        if kwargs.get("sinks") is not None:
-            raise NotImplementedError(f"evenkv: attention sinks (layer {layer.layer_id}) are not supported")
+        """Refuse per-layer features evenkv lacks (each layer checked once; score_mod every call)."""
         if kwargs.get("score_mod") is not None:
             raise NotImplementedError(f"evenkv: score_mod (layer {layer.layer_id}) is not supported")
         if layer.layer_id in self._checked_layers:
             return
         problems = []
+        if LayerKind.of(layer) not in self.attentions:
+            problems.append(f"{LayerKind.of(layer)} is not among the model's layer kinds {list(self.attentions)}")
         if (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim) != \
                 (self.num_q_heads, self.num_kv_heads, self.head_dim):
             problems.append(f"heads/head_dim (Hq, Hkv, D) = ({layer.tp_q_head_num}, {layer.tp_k_head_num}, "
@@ -267,17 +301,15 @@ class EvenKVAttnBackend(AttentionBackend):
                             f"{self.num_kv_heads}, {self.head_dim})")
         if layer.v_head_dim != layer.qk_head_dim:
             problems.append(f"v_head_dim {layer.v_head_dim} != qk_head_dim {layer.qk_head_dim}")
-        if layer.logit_cap and layer.logit_cap > 0:
-            problems.append(f"logit soft-cap {layer.logit_cap}")
-        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            problems.append(f"sliding window {layer.sliding_window_size + 1}")
+        if layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh":
+            problems.append(f"logit capping method {layer.logit_capping_method!r} (evenkv: tanh)")
         if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {layer.attn_type.value}"
                             f"{' (cross attention)' if layer.is_cross_attention else ''}")
         for name in ("k_scale_float", "v_scale_float"):
             scale = getattr(layer, name, None)
-            if scale is not None and scale != 1.0:
-                problems.append(f"scaled KV cache ({name}={scale})")
+            if not self.fp8 and scale is not None and scale != 1.0:
+                problems.append(f"{name}={scale} on a {self.kv_dtype} KV cache (scales belong to an FP8 cache)")
         if getattr(layer, "xai_temperature_len", -1) > 0:
             problems.append("xai temperature scaling")
         if problems:
@@ -300,7 +332,7 @@ class EvenKVAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, self.num_q_heads, self.head_dim)
         out = q3.new_empty(q3.shape)
         k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        _run(self.attention, meta.plan, q3, k_cache, v_cache, out, None, None, layer.scaling)
+        self._run(layer, meta, q3, k_cache, v_cache, out, None, None, kwargs.get("sinks"))
         return out.view(-1, self.num_q_heads * self.head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -329,12 +361,22 @@ class EvenKVAttnBackend(AttentionBackend):
         # the new tokens' K/V come row-aligned with q. Without k/v (shared KV) the new
         # tokens are read back from the cache.
         # Deterministic mode reads the new tokens back from the cache too (they were just
-        # written): then a prompt's tiles do not depend on how it was chunked.
-        from_cache = k is None or (save_kv_cache and self.attention.deterministic)
+        # written): then a prompt's tiles do not depend on how it was chunked. So does an FP8
+        # pool: its new tokens are read as quantized, as decode will read them (and SGLang
+        # divided k and v by the scales in place when it wrote them).
+        from_cache = k is None or (save_kv_cache and (self.deterministic or self.fp8))
         k_new = None if from_cache else k.reshape(-1, self.num_kv_heads, d)[:n]
         v_new = None if from_cache else v.reshape(-1, self.num_kv_heads, d)[:n]
-        _run(self.attention, meta.plan, q3[:n], k_cache, v_cache, out3[:n], k_new, v_new, layer.scaling)
+        self._run(layer, meta, q3[:n], k_cache, v_cache, out3[:n], k_new, v_new, kwargs.get("sinks"))
         return out.view(-1, hq * d)
+
+    def _run(self, layer, meta: ForwardMetadata, q, k_cache, v_cache, out, k_new, v_new, sinks) -> None:
+        kind = LayerKind.of(layer)
+        scales = {}
+        if self.fp8:
+            scales = dict(k_scale=float(layer.k_scale_float or 1.0), v_scale=float(layer.v_scale_float or 1.0))
+        _run(self.attentions[kind], meta.plans[kind], q, k_cache, v_cache, out, k_new, v_new, layer.scaling, sinks,
+             scales)
 
     def _metadata(self, layer, kwargs: dict, *, decode: bool) -> ForwardMetadata:
         self._check_layer(layer, kwargs)
@@ -345,9 +387,22 @@ class EvenKVAttnBackend(AttentionBackend):
         return meta
 
 
+def model_layer_kinds(model) -> tuple[dict[int, LayerKind], torch.dtype | None]:
+    """The kind of each of ``model``'s attention layers (by layer id), and the dtype of its
+    attention sinks (a ``sinks`` parameter, as gpt-oss's attention blocks hold; None without):
+    start-up compiles the kernels for the sinks the layers will pass."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    kinds = {m.layer_id: LayerKind.of(m) for m in model.modules() if isinstance(m, RadixAttention)}
+    sinks = [p.dtype for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
+    return kinds, sinks[0] if sinks else None
+
+
 @torch.compiler.disable
-def _run(attention: Attention, plan: AttentionPlan, q, k_cache, v_cache, out, k_new, v_new, sm_scale: float) -> None:
-    attention.run(plan, q, k_cache, v_cache, k_new=k_new, v_new=v_new, out=out, sm_scale=sm_scale)
+def _run(attention: Attention, plan: AttentionPlan, q, k_cache, v_cache, out, k_new, v_new, sm_scale: float,
+         sinks, scales: dict) -> None:
+    attention.run(plan, q, k_cache, v_cache, k_new=k_new, v_new=v_new, out=out, sm_scale=sm_scale, sinks=sinks,
+                  **scales)
 
 
-__all__ = ["EvenKVAttnBackend", "ForwardMetadata"]
+__all__ = ["EvenKVAttnBackend", "ForwardMetadata", "LayerKind", "model_layer_kinds"]

@@ -7,10 +7,12 @@ Three classes, as vLLM expects:
 * ``EvenKVMetadataBuilder`` runs once per step and KV-cache group, outside any CUDA
   graph. vLLM orders the batch decode first (the builder asks for it with a reorder
   threshold of 1; the V2 model runner always does it); ``build`` finds the split and
-  plans the whole batch once with ``evenkv.Attention``: decode rows (q_len 1)
+  plans the whole batch once per layer kind (``LayerKind``: sliding window, soft-cap,
+  sinks; gpt-oss alternates two) with an ``evenkv.Attention`` each: decode rows (q_len 1)
   on the balanced decode schedule, the other rows (prefill chunks, spec-verify rows) on
-  evenkv's extend kernel. Every plan buffer is allocated in ``__init__``, sized from
-  ``scheduler_config.max_num_seqs`` and ``max_model_len``, and refilled in place.
+  the engine's FlashAttention or evenkv's extend kernel. Every plan buffer is allocated in
+  ``__init__``, sized from ``scheduler_config.max_num_seqs`` and ``max_model_len``, and
+  refilled in place.
 * ``EvenKVImpl`` (one per layer) writes the new K/V with evenkv's KV-write kernel in
   ``do_kv_cache_update`` (vLLM runs it before ``forward``) and runs the planned batch in
   ``forward``.
@@ -18,7 +20,9 @@ Three classes, as vLLM expects:
 KV cache: vLLM's standard ``[num_blocks, Hkv, block_size, 2 * D]`` tensor (K and V
 halves of the last dim), laid out NHD in memory (``[num_blocks, block_size, Hkv, 2 * D]``)
 so that each half views, without a copy, as the ``[num_slots, Hkv, D]`` cache evenkv's
-kernels take (slot = block * block_size + offset, vLLM's ``slot_mapping``).
+kernels take (slot = block * block_size + offset, vLLM's ``slot_mapping``). With
+``--kv-cache-dtype fp8`` (e4m3) vLLM allocates it as uint8, viewed here as
+float8_e4m3fn, and passes each layer's per-tensor ``_k_scale_float`` / ``_v_scale_float``.
 
 CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. A pure-decode step (padded to a capture
 size; padding rows have seq_len 0 and are skipped by the kernels) replays a FULL graph:
@@ -58,10 +62,11 @@ KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 MIN_COMPUTE_CAPABILITY = (8, 0)
 _MODEL_DTYPES = (torch.float16, torch.bfloat16)
 _CACHE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's names of an e4m3 cache (allocated as uint8).
+_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # validate_configuration flags (vLLM 0.26 and 0.33) and why evenkv refuses each when set.
 # Flags a later vLLM adds are refused by default (see validate_configuration).
 _FLAG_REASONS = {
-    "has_sliding_window": "sliding-window attention is not supported: the decode kernel applies no window yet",
     "use_non_causal": "non-causal (bidirectional) decoder attention is not supported",
     "use_pcp": "prefill context parallelism is not supported",
     "use_dcp": "decode context parallelism is not supported: evenkv returns no LSE for the cross-rank merge",
@@ -69,8 +74,9 @@ _FLAG_REASONS = {
     "use_rswa": "reference sliding-window attention (R-SWA) is not supported",
 }
 # KV connectors move whole blocks (the layout is vLLM's standard NHD); batch-invariant mode
-# selects evenkv's deterministic decode (the builder reads vLLM's switch).
-_ACCEPTED_FLAGS = ("use_kv_connector", "use_batch_invariant")
+# selects evenkv's deterministic decode (the builder reads vLLM's switch); each layer's
+# sliding window reaches its LayerKind.
+_ACCEPTED_FLAGS = ("use_kv_connector", "use_batch_invariant", "has_sliding_window")
 
 
 def _supported_head_dims() -> tuple[int, ...]:
@@ -83,8 +89,9 @@ class EvenKVBackend(AttentionBackend):
     """evenkv decode attention (balanced persistent split-KV) + evenkv extend, for vLLM v1."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = list(_MODEL_DTYPES)
-    # The cache holds K/V in the model dtype ("auto"); naming that dtype explicitly is the same.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    # The cache holds K/V in the model dtype ("auto"; naming that dtype is the same) or in
+    # FP8 e4m3 with per-tensor scales.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", *_FP8_CACHE_DTYPES]
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
@@ -156,8 +163,8 @@ class EvenKVBackend(AttentionBackend):
                              use_mm_prefix, device_capability) -> str | None:
         cache_dtype = _CACHE_DTYPE_NAMES.get(kv_cache_dtype or "auto")
         if cache_dtype is not None and dtype in _MODEL_DTYPES and cache_dtype != dtype:
-            return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}: evenkv reads q and "
-                    "K/V in one dtype (use kv_cache_dtype='auto')")
+            return (f"kv_cache_dtype {kv_cache_dtype} differs from the model dtype {dtype}: evenkv reads a "
+                    "16-bit cache in the model dtype (use kv_cache_dtype='auto' or 'fp8')")
         return None
 
     @classmethod
@@ -179,21 +186,19 @@ class EvenKVBackend(AttentionBackend):
             reasons.append(f"dtype {dtype} not supported (evenkv: torch.float16, torch.bfloat16)")
         if not cls.supports_kv_cache_dtype(kv_cache_dtype):
             reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} not supported: evenkv keeps K/V in the model dtype "
-                           "(no fp8/int8 cache); use kv_cache_dtype='auto'")
+                           "or in FP8 e4m3 with per-tensor scales; use kv_cache_dtype 'auto' or 'fp8'")
         if not cls.supports_block_size(block_size):
             reasons.append(f"block_size {block_size} not supported: evenkv takes kernel blocks of "
                            f"{', '.join(map(str, KERNEL_BLOCK_SIZES))} tokens, so the block size must be a multiple "
                            "of 16")
         if use_mla:
             reasons.append("MLA (latent attention) not supported: evenkv is MHA/GQA")
-        if has_sink:
-            reasons.append("attention sinks not supported: the decode kernel has no sink term yet")
         if use_sparse:
             reasons.append("sparse attention not supported")
         if use_mm_prefix:
             reasons.append("bidirectional multimodal prefix attention not supported")
         if use_per_head_quant_scales:
-            reasons.append("per-head quantization scales not supported (no quantized KV cache)")
+            reasons.append("per-head quantization scales not supported (evenkv's FP8 cache has per-tensor scales)")
         if not cls.supports_compute_capability(device_capability):
             reasons.append(f"compute capability {device_capability.major}.{device_capability.minor} not supported "
                            f"(evenkv needs SM{MIN_COMPUTE_CAPABILITY[0]}{MIN_COMPUTE_CAPABILITY[1]} or newer)")
@@ -209,6 +214,17 @@ class EvenKVBackend(AttentionBackend):
         return reasons
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """What a layer adds to plain causal attention, as evenkv plans it: layers of one kind
+    share a plan. window: sliding window W (HF's ``sliding_window``) or None; logit_cap: c
+    or None; sinks: whether the layer has attention sinks."""
+
+    window: int | None = None
+    logit_cap: float | None = None
+    sinks: bool = False
+
+
 @dataclass
 class EvenKVMetadata:
     """One step's attention metadata for one KV-cache group (shared by its layers).
@@ -219,8 +235,9 @@ class EvenKVMetadata:
         [0, num_decodes); num_prefills / num_prefill_tokens: the rest (extend kernel).
     query_start_loc [B+1] int32, seq_lens [B] int32 (KV length including this step's
         tokens), block_table [B, max_pages] int32, slot_mapping [T] int64: vLLM's tensors.
-    attention, plan: the group's ``evenkv.Attention`` and the plan ``build`` made, which
-        every layer's ``forward`` runs (``Attention.run`` refuses a plan made stale by a later build).
+    plans: per layer kind of the group, its ``evenkv.Attention`` and the plan ``build`` made,
+        which every layer of that kind runs in ``forward`` (``Attention.run`` refuses a plan
+        made stale by a later build).
     """
 
     num_actual_tokens: int
@@ -234,8 +251,7 @@ class EvenKVMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    attention: Attention
-    plan: AttentionPlan
+    plans: dict[LayerKind, tuple[Attention, AttentionPlan]]
 
 
 class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
@@ -268,14 +284,22 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             raise ValueError(f"{POLICY_ENV}: expected one of {POLICIES}, got {policy!r}")
         self.page_size = kv_cache_spec.block_size
         self.max_pages = -(-model_config.max_model_len // self.page_size)
-        self.attention = Attention(
-            num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, kv_cache_spec.dtype, device,
-            max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-            policy=policy, prefill_kernel=vllm_flash_attention(device),
-            deterministic=True if vllm_batch_invariant() else None,
-            max_total_tokens=kv_pool_tokens(vllm_config))
-        logger.info("evenkv: %d attention layer(s) of this KV-cache group decode on evenkv's balanced kernels; "
-                    "their prefill and extend rows run on %s", len(layer_names), self.attention.prefill_reason)
+        # vLLM allocates an FP8 cache as uint8 (the backend admits e4m3 only).
+        fp8 = kv_cache_spec.dtype in (torch.uint8, torch.float8_e4m3fn)
+        dtype = model_config.dtype if fp8 else kv_cache_spec.dtype  # a 16-bit cache is in the model dtype
+        prefill = vllm_flash_attention(device)
+        self.attentions = {}
+        for kind, names in layer_kinds(vllm_config, layer_names).items():
+            attention = Attention(
+                num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
+                max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+                policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
+                kv_dtype=torch.float8_e4m3fn if fp8 else None,
+                prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
+                deterministic=True if vllm_batch_invariant() else None, max_total_tokens=kv_pool_tokens(vllm_config))
+            self.attentions[kind] = attention
+            logger.info("evenkv: %d attention layer(s) of %s decode on evenkv's balanced kernels; their prefill and "
+                        "extend rows run on %s", len(names), kind, attention.prefill_reason)
         self.errors = ErrorWatcher(device)  # polled once per step: logs bad batch data, never syncs
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -292,13 +316,15 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         num_decodes = min(num_decodes, num_decode_tokens)
         # Columns past max_model_len can hold no token of a request.
         block_table = cam.block_table_tensor[:, :self.max_pages]
-        plan = self.attention.plan(cam.query_start_loc, cam.seq_lens, block_table, num_decodes=num_decodes,
-                                   max_q_len=cam.max_query_len, max_seq_len=cam.max_seq_len)
+        plans = {kind: (attention, attention.plan(cam.query_start_loc, cam.seq_lens, block_table,
+                                                  num_decodes=num_decodes, max_q_len=cam.max_query_len,
+                                                  max_seq_len=cam.max_seq_len))
+                 for kind, attention in self.attentions.items()}
         return EvenKVMetadata(
             num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len, max_seq_len=cam.max_seq_len,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens, query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
-            block_table=block_table, slot_mapping=cam.slot_mapping, attention=self.attention, plan=plan)
+            block_table=block_table, slot_mapping=cam.slot_mapping, plans=plans)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> EvenKVMetadata:
         """As ``build``, for the pure-decode batch vLLM captures. Only the addresses matter
@@ -309,6 +335,20 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             raise RuntimeError(f"evenkv: vLLM asked for a full CUDA graph of a batch with {metadata.num_prefills} "
                                "non-decode requests; this backend declares UNIFORM_SINGLE_TOKEN_DECODE")
         return metadata
+
+
+def layer_kinds(vllm_config, layer_names: list[str]) -> dict[LayerKind, list[str]]:
+    """The group's layers by kind (their EvenKVImpl's), or one plain kind for all where vLLM
+    has not registered them (a builder made before the model)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    kinds: dict[LayerKind, list[str]] = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names).items():
+        impl = getattr(layer, "impl", None)
+        kind = impl.kind if isinstance(impl, EvenKVImpl) else LayerKind()
+        kinds.setdefault(kind, []).append(name)
+    return kinds or {LayerKind(): list(layer_names)}
 
 
 def kv_pool_tokens(vllm_config) -> int:
@@ -327,11 +367,14 @@ def vllm_batch_invariant() -> bool:
 
 def kv_cache_slot_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache (NHD in memory) as evenkv's
-    ``k_cache, v_cache [num_slots, Hkv, D]`` views, slot = block * block_size + offset.
+    ``k_cache, v_cache [num_slots, Hkv, D]`` views, slot = block * block_size + offset; a
+    uint8 (FP8) cache is viewed as float8_e4m3fn.
 
     Raises ValueError (never copies) when the memory layout is not NHD-with-contiguous-blocks,
     e.g. ``VLLM_KV_CACHE_LAYOUT=HND`` or padded pages.
     """
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = kv_cache.view(torch.float8_e4m3fn)
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         raise ValueError(f"kv_cache: expected [num_blocks, Hkv, block_size, 2*{head_size}], "
                          f"got shape {tuple(kv_cache.shape)}")
@@ -360,12 +403,8 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         reasons = []
         if alibi_slopes is not None:
             reasons.append("ALiBi slopes")
-        if sliding_window is not None:
-            reasons.append(f"sliding window {sliding_window}")
-        if logits_soft_cap:
-            reasons.append(f"logits soft-cap {logits_soft_cap} (the decode kernel applies none yet)")
-        if sinks is not None:
-            reasons.append("attention sinks")
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
+            reasons.append(f"attention sinks of shape {tuple(sinks.shape)} (expected [{num_heads}], one per head)")
         if attn_type != AttentionType.DECODER:
             reasons.append(f"attention type {attn_type}")
         if kv_cache_dtype not in EvenKVBackend.supported_kv_cache_dtypes:
@@ -386,9 +425,10 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._write_warmed_up = False
-        self.sliding_window = None
-        self.logits_soft_cap = None
-        self.sinks = None
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
+        self.sinks = sinks
+        self.kind = LayerKind(sliding_window, self.logits_soft_cap, sinks is not None)
         self.alibi_slopes = None
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -403,7 +443,14 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
             warmup_write_kv(k_cache, v_cache, key, value)
             self._write_warmed_up = True
         n = min(slot_mapping.shape[0], key.shape[0])
-        write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n])
+        write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n], **self._kv_scales(layer, k_cache))
+
+    @staticmethod
+    def _kv_scales(layer, k_cache: torch.Tensor) -> dict:
+        """The layer's per-tensor K/V scales for an FP8 cache (vLLM keeps host copies)."""
+        if k_cache.dtype != torch.float8_e4m3fn:
+            return {}
+        return dict(k_scale=float(layer._k_scale_float), v_scale=float(layer._v_scale_float))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: EvenKVMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
@@ -418,15 +465,19 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         if attn_metadata is None:  # profiling / dummy run: no batch to attend over
             return output.fill_(0)
         md = attn_metadata
+        if self.kind not in md.plans:
+            raise RuntimeError(f"evenkv: no plan for this layer's kind {self.kind} (planned: {list(md.plans)})")
+        attention, plan = md.plans[self.kind]
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
-        if not md.attention.warmed_up and not graph_capturing():
+        if not attention.warmed_up and not graph_capturing():
             # The first step that holds the real tensors (vLLM's warm-up runs, before it is
             # ready): compile every variant a later batch could need.
-            md.attention.warmup(query, k_cache, v_cache, out=output)
+            attention.warmup(query, k_cache, v_cache, out=output, sinks=self.sinks)
         n = md.num_actual_tokens
-        md.attention.run(md.plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale)
+        attention.run(plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale, sinks=self.sinks,
+                      **self._kv_scales(layer, k_cache))
         return output
 
 
-__all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "kv_cache_slot_views",
-           "KERNEL_BLOCK_SIZES", "POLICY_ENV"]
+__all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "LayerKind",
+           "kv_cache_slot_views", "KERNEL_BLOCK_SIZES", "POLICY_ENV"]

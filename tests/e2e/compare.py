@@ -69,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--short-lens", default="16,256", help="--skewed: short prompt lengths, uniform in [lo,hi]")
     ap.add_argument("--steps", type=int, default=64, help="--skewed: decode steps")
     ap.add_argument("--seed", type=int, default=1, help="of the random prompts")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the engine's KV cache dtype: auto, or fp8 (vLLM) / fp8_e4m3 (SGLang), for both backends")
     ap.add_argument("--mem", type=float, default=0.3, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     ap.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto",
                     help="vLLM model runner (auto = vLLM's default; sets VLLM_USE_V2_MODEL_RUNNER)")
@@ -153,7 +155,7 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
     kw = dict(model=a.model, skip_tokenizer_init=True, dtype="bfloat16", attention_backend=backend,
               gpu_memory_utilization=a.mem, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_batched, seed=0, enable_prefix_caching=False, async_scheduling=False,
-              enforce_eager=not a.graphs)
+              enforce_eager=not a.graphs, kv_cache_dtype=a.kv_cache_dtype)
     if a.graphs:
         sizes = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < max_num_seqs] + [max_num_seqs]
         # Full graphs of decode steps without torch.compile: what the backend's
@@ -223,7 +225,7 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
     kw = dict(model_path=a.model, skip_tokenizer_init=True, attention_backend=backend, sampling_backend="pytorch",
               dtype="bfloat16", mem_fraction_static=a.mem, context_length=max_model_len,
               max_running_requests=max_num_seqs, chunked_prefill_size=max_batched, disable_radix_cache=True,
-              log_level="error", random_seed=0)
+              log_level="error", random_seed=0, kv_cache_dtype=a.kv_cache_dtype)
     if a.graphs:
         kw.update(cuda_graph_max_bs_decode=max_num_seqs, cuda_graph_max_bs_prefill=512)
     else:
@@ -333,7 +335,7 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), a.model, "--engine", a.engine, "--backend", backend,
            "--graphs", str(a.graphs), "--prompt-lens", a.prompt_lens, "--new", str(a.new), "--long-len",
            str(a.long_len), "--num-short", str(a.num_short), "--short-lens", a.short_lens, "--steps", str(a.steps),
-           "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner,
+           "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path]
     if a.compare:
         cmd.append("--compare")
@@ -472,7 +474,7 @@ def main(argv=None) -> int:
     csv = ",".join(k for k, on in (("gen", a.compare), ("skewed", a.skewed)) if on)
     ev = run_child(a, "evenkv", csv)
     tr = run_child(a, "triton", csv)
-    head = f"engine={a.engine}-{ev['engine_version']} graphs={a.graphs} runner={a.runner}"
+    head = f"engine={a.engine}-{ev['engine_version']} graphs={a.graphs} runner={a.runner} kv={a.kv_cache_dtype}"
     ok = True
     if a.compare:
         fields, ok_c = compare_report(a, ev, tr)

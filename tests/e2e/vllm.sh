@@ -11,6 +11,10 @@
 #   pytest  the GPU lane of tests/engines/test_vllm_integration.py (bf16 mixed batch, CUDA graph replay
 #           after a re-plan) plus its CPU-lane tests run on the GPU
 #   v2      --compare, eager, with vLLM's default (V2) model runner
+#   window  --compare on the same Qwen3 with a 128-token sliding window on every layer
+#   fp8     --compare with --kv-cache-dtype fp8 (both backends read an e4m3 cache)
+#   gpt-oss --compare on a tiny random gpt-oss (64 q / 8 kv heads, D 64, sinks, alternating
+#           128-token window and full layers: two layer kinds in two KV-cache groups)
 # env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
 #      default /tmp/evenkv-vllm-e2e), VLLM_KIT (default .kits/vllm), MODEL (tiny model dir).
 # Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
@@ -42,6 +46,13 @@ model() {
   echo "== model ready at $((SECONDS - T0))s: $(tail -1 "$L/model.log")"
 }
 
+variant() {  # variant NAME: a layer_models.py checkpoint next to $MODEL
+  local dir=$MODEL-$1
+  [ -f "$dir/config.json" ] && return 0
+  if [ "$1" = window ]; then model && python3 "$ROOT/tests/e2e/layer_models.py" window "$MODEL" "$dir"
+  else python3 "$ROOT/tests/e2e/layer_models.py" "$1" "$dir"; fi > "$L/model-$1.log" 2>&1 || { tail "$L/model-$1.log"; return 1; }
+}
+
 EX=$ROOT/tests/e2e/compare.py
 for s in ${@:-eager graphs pytest v2}; do
   case $s in
@@ -52,7 +63,10 @@ for s in ${@:-eager graphs pytest v2}; do
         tests/engines/test_vllm_integration.py)
       tail -3 "$L/pytest-vllm.log" 2>/dev/null | sed 's/^/   /' ;;
     v2) model && run_step v2 200 120 python3 "$EX" "$MODEL" --runner v2 --graphs 0 --compare ;;
-    *) echo "unknown step $s (eager | graphs | pytest | v2)"; exit 2 ;;
+    window) variant window && run_step window 200 120 python3 "$EX" "$MODEL-window" --graphs 1 --compare ;;
+    fp8) model && run_step fp8 200 120 python3 "$EX" "$MODEL" --graphs 1 --compare --kv-cache-dtype fp8 ;;
+    gpt-oss) variant gpt-oss && run_step gpt-oss 240 120 python3 "$EX" "$MODEL-gpt-oss" --graphs 1 --compare ;;
+    *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | gpt-oss)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"

@@ -45,7 +45,7 @@ from sglang.srt.runtime_context import get_context, get_parallel, get_server_arg
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
 
 from evenkv.integrations import sglang as plugin  # noqa: E402
-from evenkv.integrations.sglang_backend import EvenKVAttnBackend  # noqa: E402
+from evenkv.integrations.sglang_backend import EvenKVAttnBackend, LayerKind  # noqa: E402
 from evenkv.kernels.reference import extend_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR, assert_close_to_reference  # noqa: E402
 
@@ -90,7 +90,7 @@ class World:
     """
 
     def __init__(self, page_size, device, dtype, *, hq=None, hkv=None, d=None, layers=2, max_reqs=6, ctx=96,
-                 num_pages=None, seed=0):
+                 num_pages=None, seed=0, layer_kw=None, kv_dtype=None):
         if device.type == "cuda":
             # Hkv * D * 2 bytes = 1024: the row width of the SGLang kit's pre-built store_cache
             # kernel (set_kv_buffer), so the GPU lane compiles nothing with nvcc.
@@ -104,23 +104,26 @@ class World:
         self.req_pool = ReqToTokenPool(size=max_reqs, max_context_len=ctx, device=str(device),
                                        enable_memory_saver=False)
         num_pages = num_pages or max_reqs * math.ceil(ctx / page_size) + 2
-        self.kv_pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size, dtype=dtype, head_num=hkv,
-                                        head_dim=d, layer_num=layers, device=str(device), enable_memory_saver=False,
-                                        enable_alt_stream=False)
+        self.kv_pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size, dtype=kv_dtype or dtype,
+                                        head_num=hkv, head_dim=d, layer_num=layers, device=str(device),
+                                        enable_memory_saver=False, enable_alt_stream=False)
         for layer in range(layers):
             for buf in self.kv_pool.get_kv_buffer(layer):
                 buf.copy_(self.randn(*buf.shape))
         self.free_pages = (torch.randperm(num_pages, generator=self.gen) + 1).tolist()
         self.pages: dict[int, list[int]] = {}
         self.next_req = 1
-        self.layers = [RadixAttention(hq, d, d ** -0.5, hkv, layer_id=i) for i in range(layers)]
+        # layer_kw: per-layer RadixAttention keywords (sliding_window_size, logit_cap, ...).
+        self.layers = [RadixAttention(hq, d, d ** -0.5, hkv, layer_id=i, **(layer_kw[i] if layer_kw else {}))
+                       for i in range(layers)]
         model_config = SimpleNamespace(context_len=ctx, attention_arch=AttentionArch.MHA, is_encoder_decoder=False,
                                        get_max_num_attention_heads=lambda: hq, get_num_kv_heads=lambda tp: hkv)
         self.runner = SimpleNamespace(device=str(device), gpu_id=0, req_to_token_pool=self.req_pool,
                                       token_to_kv_pool=self.kv_pool, token_to_kv_pool_allocator=None,
                                       kv_index_translator=None, model_config=model_config,
                                       server_args=get_server_args(), page_size=page_size, sliding_window_size=None,
-                                      is_draft_worker=False, use_mla_backend=False, dtype=dtype, kv_cache_dtype=dtype)
+                                      is_draft_worker=False, use_mla_backend=False, dtype=dtype, kv_cache_dtype=dtype,
+                                      model=torch.nn.ModuleList(self.layers))
 
     def add_request(self, capacity: int) -> int:
         """A request slot with pages for ``capacity`` tokens; returns its req_pool index."""
@@ -187,17 +190,32 @@ class World:
                                                       init_new_workspace=False)
 
 
-def check_decode(world, out, q, fb, layer_id=0):
+def layer_terms(layer, sinks=None) -> dict:
+    """What a layer adds, in the references' keywords (SGLang's window W - 1 -> W)."""
+    terms = {}
+    if layer.sliding_window_size > -1:
+        terms["sliding_window"] = layer.sliding_window_size + 1
+    if layer.logit_cap:
+        terms["logit_cap"] = layer.logit_cap
+    if sinks is not None:
+        terms["sinks"] = sinks
+    if layer.k_scale_float is not None:
+        terms.update(k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)
+    return terms
+
+
+def check_decode(world, out, q, fb, layer_id=0, sinks=None):
     """out [B, Hq*D] against the fp32 decode oracle over the cache as it is now."""
     reqs = fb.req_pool_indices.tolist()
     k_cache, v_cache = world.kv_pool.get_kv_buffer(layer_id)
     b, hq, d = len(reqs), world.hq, world.d
     assert out.shape == (b, hq * d)
     assert_close_to_reference(out.view(b, hq, d), q.view(b, hq, d), k_cache, v_cache, fb.seq_lens,
-                              world.page_table(reqs), world.page_size, d ** -0.5)
+                              world.page_table(reqs), world.page_size, d ** -0.5,
+                              **layer_terms(world.layers[layer_id], sinks))
 
 
-def check_extend(world, out, q, fb, layer_id=0):
+def check_extend(world, out, q, fb, layer_id=0, sinks=None):
     """out [T, Hq*D] against the fp32 extend oracle (cache already holds the new tokens)."""
     reqs = fb.req_pool_indices.tolist()
     k_cache, v_cache = world.kv_pool.get_kv_buffer(layer_id)
@@ -205,12 +223,18 @@ def check_extend(world, out, q, fb, layer_id=0):
     cu = torch.zeros(len(reqs) + 1, dtype=torch.int32, device=q.device)
     cu[1:] = torch.cumsum(fb.extend_seq_lens, 0)
     args = (q.view(t, hq, d), k_cache, v_cache, cu, fb.seq_lens, world.page_table(reqs), world.page_size)
-    ref = extend_reference(*args, sm_scale=d ** -0.5)
-    lowp = extend_reference(*args, sm_scale=d ** -0.5, compute_dtype=q.dtype)
+    terms = layer_terms(world.layers[layer_id], sinks)
+    ref = extend_reference(*args, sm_scale=d ** -0.5, **terms)
+    lowp = extend_reference(*args, sm_scale=d ** -0.5, compute_dtype=q.dtype, **terms)
     err = (out.view(t, hq, d).float() - ref).abs().max().item()
     base = (lowp.float() - ref).abs().max().item()
     bound = 2 * base + TOLERANCE_FLOOR[q.dtype]
     assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} (torch {q.dtype} error {base:.3e})"
+
+
+def attention_of(backend):
+    """The backend's Attention of plain layers (the worlds' default layers)."""
+    return backend.attentions[LayerKind()]
 
 
 # -- registration and selection --------------------------------------------------------
@@ -261,13 +285,13 @@ def test_registry_builds_backend(lane):
     backend = world.backend()
     assert isinstance(backend, EvenKVAttnBackend)
     assert (backend.num_q_heads, backend.num_kv_heads, backend.head_dim) == (world.hq, world.hkv, world.d)
-    assert backend.attention.decode.policy == "balanced"
+    assert attention_of(backend).decode.policy == "balanced"
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 
 def test_policy_from_environment(lane, monkeypatch):
     monkeypatch.setenv(plugin.POLICY_ENV, "fa3")
-    assert World(1, *lane).backend().attention.decode.policy == "fa3"
+    assert attention_of(World(1, *lane).backend()).decode.policy == "fa3"
     monkeypatch.setenv(plugin.POLICY_ENV, "fastest")
     with pytest.raises(NotImplementedError, match="EVENKV_POLICY"):
         World(1, *lane).backend()
@@ -275,7 +299,6 @@ def test_policy_from_environment(lane, monkeypatch):
 
 @pytest.mark.parametrize("overrides,fragment", [
     (dict(use_mla_backend=True), "MLA"),
-    (dict(sliding_window_size=4096), "sliding-window"),
     (dict(page_size=3), "page size 3"),
     (dict(is_draft_worker=True), "draft workers"),
 ])
@@ -298,10 +321,10 @@ def test_refusal_lists_every_reason(lane):
         assert fragment in str(info.value)
 
 
-def test_refuses_fp8_kv_cache(lane):
+def test_refuses_fp8_e5m2_kv_cache(lane):
     device, dtype = lane
     world = World(1, device, dtype)
-    world.runner.token_to_kv_pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float8_e4m3fn,
+    world.runner.token_to_kv_pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float8_e5m2,
                                                      head_num=world.hkv, head_dim=world.d, layer_num=1,
                                                      device=str(device),
                                                      enable_memory_saver=False, enable_alt_stream=False)
@@ -310,10 +333,10 @@ def test_refuses_fp8_kv_cache(lane):
 
 
 @pytest.mark.parametrize("layer_kw,kwargs,fragment", [
-    (dict(logit_cap=30.0), {}, "soft-cap"),
-    (dict(sliding_window_size=127), {}, "sliding window 128"),
+    (dict(logit_cap=30.0), {}, "not among the model's layer kinds"),
+    (dict(sliding_window_size=127), {}, "not among the model's layer kinds"),
+    (dict(logit_cap=30.0, logit_capping_method="gelu"), {}, "logit capping method"),
     (dict(is_cross_attention=True), {}, "cross attention"),
-    ({}, dict(sinks=torch.zeros(4)), "sinks"),
 ])
 def test_refuses_unsupported_layer(lane, layer_kw, kwargs, fragment):
     world = World(1, *lane)
@@ -364,6 +387,63 @@ def test_extend_matches_reference(lane, page_size):
         k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
         assert torch.equal(k_cache[fb.out_cache_loc], k)
         check_extend(world, out, q, fb, layer.layer_id)
+
+
+GPT_OSS_LIKE = [dict(sliding_window_size=15), {}]  # alternating 16-token window and full layers
+
+
+@pytest.mark.parametrize("layer_kw,sinks", [(GPT_OSS_LIKE, True), ([dict(logit_cap=5.0)] * 2, False)],
+                         ids=["window+sinks", "softcap"])
+def test_layer_kinds_decode_and_extend(lane, layer_kw, sinks):
+    """Layers of two kinds (window and full, with sinks; or soft-capped): one plan per kind
+    and batch, each layer's result against the reference with its own window, cap and sinks."""
+    world = World(16, *lane, layer_kw=layer_kw)
+    backend = world.backend()
+    assert set(backend.attentions) == {LayerKind.of(layer) for layer in world.layers}
+    prefix, new = [0, 40, 7], [23, 9, 30]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    t = sum(new)
+    for layer in world.layers:
+        sink = torch.randn(world.hq, device=world.device) if sinks else None
+        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
+                                                                                                        world.d)
+        out = backend.forward(q, k, v, layer, fb, sinks=sink)
+        check_extend(world, out, q, fb, layer.layer_id, sink)
+    cached = [p + n for p, n in zip(prefix, new)]
+    fb = world.decode_batch(reqs, cached)
+    backend.init_forward_metadata(fb)
+    for layer in world.layers:
+        sink = torch.randn(world.hq, device=world.device) if sinks else None
+        q, k, v = (world.randn(len(reqs), world.hq * world.d), world.randn(len(reqs), world.hkv, world.d),
+                   world.randn(len(reqs), world.hkv, world.d))
+        out = backend.forward(q, k, v, layer, fb, sinks=sink)
+        check_decode(world, out, q, fb, layer.layer_id, sink)
+
+
+def test_fp8_kv_pool(lane):
+    """--kv-cache-dtype fp8_e4m3: SGLang quantizes on write (new / k_scale); evenkv reads the
+    pool with the layer's scales, and reads an extend's new tokens back from it."""
+    device, dtype = lane
+    world = World(16, device, dtype, kv_dtype=torch.float8_e4m3fn)
+    for layer in world.layers:
+        layer.k_scale = layer.k_scale_float = 0.5
+        layer.v_scale = layer.v_scale_float = 0.25
+    backend = world.backend()
+    assert attention_of(backend).kv_dtype == torch.float8_e4m3fn and attention_of(backend).dtype == dtype
+    prefix, new = [0, 33], [20, 5]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    layer = world.layers[1]
+    q, k, v = world.randn(25, world.hq * world.d), world.randn(25, world.hkv, world.d), world.randn(25, world.hkv,
+                                                                                                     world.d)
+    check_extend(world, backend.forward(q, k, v, layer, fb), q, fb, layer.layer_id)
+    fb = world.decode_batch(reqs, [p + n for p, n in zip(prefix, new)])
+    backend.init_forward_metadata(fb)
+    q, k, v = world.randn(2, world.hq * world.d), world.randn(2, world.hkv, world.d), world.randn(2, world.hkv, world.d)
+    check_decode(world, backend.forward(q, k, v, layer, fb), q, fb, layer.layer_id)
 
 
 def test_extend_shared_kv_reads_cache(lane):
@@ -580,7 +660,8 @@ def test_decode_backend_beside_torch_native_prefill(lane):
     fb = world.decode_batch(reqs, [p + n for p, n in zip(prefix, new)])
     hybrid.init_forward_metadata(fb)
     meta = decode.forward_metadata
-    assert meta is not None and meta.decode and meta.plan.batch_size == meta.plan.num_decodes == 2
+    plan = meta.plans[LayerKind()]
+    assert meta is not None and meta.decode and plan.batch_size == plan.num_decodes == 2
     q = world.randn(2, world.hq * world.d)
     out = hybrid.forward(q, world.randn(2, world.hkv, world.d), world.randn(2, world.hkv, world.d), layer, fb)
     check_decode(world, out, q, fb)
@@ -766,7 +847,7 @@ def test_deterministic_inference(lane):
     # A view, not a test override: SGLang 0.5.23's override_server_args drops this field.
     world.runner.server_args = _WithFlags(world.runner.server_args, enable_deterministic_inference=True)
     backend = world.backend()
-    assert backend.attention.deterministic and backend.attention.decode.deterministic
+    assert backend.deterministic and attention_of(backend).deterministic and attention_of(backend).decode.deterministic
     prefix, new = [0, 6], [9, 4]
     reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
     fb = world.extend_batch(reqs, prefix, new)

@@ -42,8 +42,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from evenkv.integrations import vllm as plugin  # noqa: E402
 from evenkv.integrations.vllm_backend import (EvenKVBackend, EvenKVImpl, EvenKVMetadataBuilder,  # noqa: E402
-                                              kv_cache_slot_views)
-from evenkv.kernels.reference import extend_reference  # noqa: E402
+                                              LayerKind, kv_cache_slot_views)
+from evenkv.kernels.reference import extend_reference, kv_write_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR  # noqa: E402
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
@@ -122,7 +122,8 @@ def _selector_kwargs(**overrides):
 @pytest.mark.parametrize("overrides", [
     {}, {"dtype": torch.float16}, {"head_size": 64}, {"head_size": 256}, {"head_size": 96}, {"block_size": None},
     {"block_size": 32}, {"block_size": 64}, {"block_size": 128}, {"block_size": 48}, {"kv_cache_dtype": "bfloat16"},
-    {"use_kv_connector": True},
+    {"use_kv_connector": True}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"has_sink": True},
+    {"has_sliding_window": True},
 ])
 def test_validate_configuration_accepts(overrides):
     kwargs = _selector_kwargs(**overrides)
@@ -140,15 +141,13 @@ def test_validate_configuration_on_sm80_and_sm75():
 @pytest.mark.parametrize("overrides,needle", [
     ({"head_size": 72}, "head_size 72"),
     ({"dtype": torch.float32}, "dtype torch.float32"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8'"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype 'fp8_e5m2'"),
     ({"kv_cache_dtype": "float16"}, "differs from the model dtype"),
     ({"block_size": 8}, "block_size 8"),
     ({"use_mla": True}, "MLA"),
-    ({"has_sink": True}, "sinks"),
     ({"use_sparse": True}, "sparse"),
     ({"use_mm_prefix": True}, "multimodal"),
     ({"attn_type": "encoder_only"}, "attention type encoder_only"),
-    ({"has_sliding_window": True}, "sliding-window"),
     ({"use_non_causal": True}, "non-causal"),
     ({"use_pcp": True}, "prefill context parallelism"),
 ])
@@ -167,13 +166,14 @@ def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, 
     assert EvenKVBackend.validate_configuration(**_selector_kwargs(use_batch_invariant=True)) == []
     monkeypatch.setattr(vllm.envs, "VLLM_BATCH_INVARIANT", True, raising=False)
     builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
-    assert builder.attention.deterministic and builder.attention.decode.deterministic
-    assert builder.attention.prefill_kernel is None
+    assert attention_of(builder).deterministic and attention_of(builder).decode.deterministic
+    assert attention_of(builder).prefill_kernel is None
 
 
 def test_validate_configuration_returns_every_reason():
     reasons = EvenKVBackend.validate_configuration(**_selector_kwargs(
-        head_size=72, dtype=torch.float32, kv_cache_dtype="fp8", block_size=8, has_sink=True, has_sliding_window=True))
+        head_size=72, dtype=torch.float32, kv_cache_dtype="fp8_e5m2", block_size=8, use_sparse=True,
+        use_non_causal=True))
     assert len(reasons) == 6, reasons
 
 
@@ -207,16 +207,24 @@ def test_supported_kv_cache_layouts_033():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"logits_soft_cap": 30.0}, "soft-cap"),
-    ({"sliding_window": 128}, "sliding window"),
     ({"alibi_slopes": [1.0] * HQ}, "ALiBi"),
-    ({"sinks": torch.zeros(HQ)}, "sinks"),
-    ({"kv_cache_dtype": "fp8"}, "fp8"),
+    ({"sinks": torch.zeros(HQ + 1)}, "sinks"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "fp8_e5m2"),
     ({"chunk_lookback": 4}, "chunk_lookback"),
 ])
 def test_impl_refuses_what_the_kernels_would_ignore(kwargs, needle):
     with pytest.raises(NotImplementedError, match=needle):
         EvenKVImpl(HQ, D, D ** -0.5, HKV, **kwargs)
+
+
+def test_impl_layer_kind():
+    """A layer's window, soft-cap and sinks make its kind: the builder plans once per kind."""
+    plain = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    gpt_oss_like = EvenKVImpl(HQ, D, D ** -0.5, HKV, sliding_window=128, sinks=torch.zeros(HQ))
+    capped = EvenKVImpl(HQ, D, D ** -0.5, HKV, logits_soft_cap=30.0, kv_cache_dtype="fp8")
+    assert plain.kind == LayerKind()
+    assert gpt_oss_like.kind == LayerKind(window=128, sinks=True)
+    assert capped.kind == LayerKind(logit_cap=30.0)
 
 
 def test_impl_accepts_off_values_of_extra_switches():
@@ -291,12 +299,17 @@ def builder(vllm_config, device):
                                  device)
 
 
+def attention_of(builder, kind=None):
+    """The builder's Attention for a layer kind (plain by default: the fixtures register no layers)."""
+    return builder.attentions[kind or LayerKind()]
+
+
 def test_builder_init(builder):
     assert builder.reorder_batch_threshold == 1
-    assert builder.attention.max_batch_size == MAX_NUM_SEQS
-    assert builder.attention.max_pages_per_request == MAX_MODEL_LEN // BLOCK
-    assert (builder.attention.num_q_heads, builder.attention.num_kv_heads, builder.attention.head_dim) == (HQ, HKV, D)
-    assert builder.attention.page_size == BLOCK and builder.attention.decode is not None
+    assert attention_of(builder).max_batch_size == MAX_NUM_SEQS
+    assert attention_of(builder).max_pages_per_request == MAX_MODEL_LEN // BLOCK
+    assert (attention_of(builder).num_q_heads, attention_of(builder).num_kv_heads, attention_of(builder).head_dim) == (HQ, HKV, D)
+    assert attention_of(builder).page_size == BLOCK and attention_of(builder).decode is not None
 
 
 @pytest.mark.parametrize("q_lens,seq_lens,num_tokens,padded_reqs,expect", [
@@ -314,11 +327,12 @@ def test_builder_splits_decodes_and_prefills(builder, device, q_lens, seq_lens, 
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == expect
     assert md.num_actual_tokens == cam.num_actual_tokens
-    assert md.plan.batch_size == cam.num_reqs and md.plan.num_decodes == expect[0]
+    (_, plan), = md.plans.values()
+    assert plan.batch_size == cam.num_reqs and plan.num_decodes == expect[0]
     if expect[1] == 0:
-        assert md.plan.extend is None
+        assert plan.extend is None
     else:
-        assert md.plan.extend.req_begin == expect[0] and md.plan.extend.max_q_len >= max(q_lens)
+        assert plan.extend.req_begin == expect[0] and plan.extend.max_q_len >= max(q_lens)
     # The decode plan reads vLLM's (persistent) block table in place, not a copy.
     assert md.block_table.data_ptr() == cam.block_table_tensor.data_ptr()
 
@@ -358,7 +372,7 @@ def test_builder_logs_bad_batch_data_the_kernels_flagged(builder, device, caplog
 def test_builder_policy_knob(vllm_config, device, monkeypatch):
     monkeypatch.setenv("EVENKV_POLICY", "fa3")
     b = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
-    assert b.attention.decode.policy == "fa3"
+    assert attention_of(b).decode.policy == "fa3"
     monkeypatch.setenv("EVENKV_POLICY", "nope")
     with pytest.raises(ValueError, match="EVENKV_POLICY"):
         EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
@@ -413,24 +427,38 @@ class MixedBatch:
         self.ref_k[sm[keep]] = self.key[keep]
         self.ref_v[sm[keep]] = self.value[keep]
 
-    def reference(self, compute_dtype=torch.float32, sm_scale=None):
+    def reference(self, compute_dtype=torch.float32, sm_scale=None, **terms):
         c = self.cam
         return extend_reference(self.query, self.ref_k, self.ref_v, c.query_start_loc, c.seq_lens,
-                                c.block_table_tensor, BLOCK, compute_dtype=compute_dtype, sm_scale=sm_scale)
+                                c.block_table_tensor, BLOCK, compute_dtype=compute_dtype, sm_scale=sm_scale, **terms)
+
+    def to_fp8(self, k_scale: float, v_scale: float) -> None:
+        """Make the cache vLLM's FP8 one (uint8, stored = real / scale) holding the same prefix;
+        the reference caches become what the KV write will store."""
+        fp8 = torch.float8_e4m3fn
+        real = self.kv_cache
+        self.kv_cache = _vllm_kv_cache(real.shape[0], torch.uint8, real.device)
+        stored = self.kv_cache.view(fp8)
+        for half, scale in ((slice(0, D), k_scale), (slice(D, 2 * D), v_scale)):
+            stored[..., half] = (real[..., half].float() / scale).clamp(-448, 448).to(fp8)
+        ref_k, ref_v = torch.empty_like(self.ref_k, dtype=fp8), torch.empty_like(self.ref_v, dtype=fp8)
+        slots = torch.arange(ref_k.shape[0], device=ref_k.device)
+        kv_write_reference(ref_k, ref_v, self.ref_k, self.ref_v, slots, k_scale=k_scale, v_scale=v_scale)
+        self.ref_k, self.ref_v = ref_k, ref_v
 
 
-def _run_step(builder, impl, batch):
-    impl.do_kv_cache_update(None, batch.key, batch.value, batch.kv_cache, batch.cam.slot_mapping)
+def _run_step(builder, impl, batch, layer=None):
+    impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, batch.cam.slot_mapping)
     md = builder.build(0, batch.cam)
     output = torch.full_like(batch.query, 7.0)  # rows past the last query must keep this
-    impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+    impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
     return md, output
 
 
-def _assert_matches_reference(batch, output, sm_scale=None):
+def _assert_matches_reference(batch, output, sm_scale=None, **terms):
     real = int(batch.cam.query_start_loc_cpu[-1])
-    ref = batch.reference(sm_scale=sm_scale)
-    lowp = batch.reference(compute_dtype=batch.query.dtype, sm_scale=sm_scale)
+    ref = batch.reference(sm_scale=sm_scale, **terms)
+    lowp = batch.reference(compute_dtype=batch.query.dtype, sm_scale=sm_scale, **terms)
     err = (output[:real].float() - ref[:real]).abs().max().item()
     base = (lowp[:real].float() - ref[:real]).abs().max().item()
     bound = 2 * base + TOLERANCE_FLOOR[batch.query.dtype]
@@ -489,6 +517,46 @@ def test_layers_of_one_plan_use_their_own_scales(builder, device):
     output = torch.full_like(batch.query, 7.0)
     EvenKVImpl(HQ, D, 0.3, HKV).forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
     _assert_matches_reference(batch, output, sm_scale=0.3)
+
+
+def test_builder_plans_each_layer_kind(vllm_config, device, monkeypatch):
+    """gpt-oss-like group: full layers and 8-token sliding-window layers with sinks. One plan
+    per kind and step; each layer runs its own kind's plan with its window and sinks."""
+    from evenkv.integrations import vllm_backend
+
+    full, windowed = LayerKind(), LayerKind(window=8, sinks=True)
+    monkeypatch.setattr(vllm_backend, "layer_kinds", lambda config, names: {full: names[:1], windowed: names[1:]})
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0", "l1"], vllm_config, device)
+    assert set(builder.attentions) == {full, windowed}
+    assert builder.attentions[windowed].sliding_window == 8
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=device)
+    impl_full = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    impl_windowed = EvenKVImpl(HQ, D, D ** -0.5, HKV, sliding_window=8, sinks=sinks)
+    batch = MixedBatch(*MIXED["mixed"][:2], torch.bfloat16, device, num_tokens=MIXED["mixed"][2], seed=11)
+    md, output = _run_step(builder, impl_full, batch)
+    assert set(md.plans) == {full, windowed}
+    _assert_matches_reference(batch, output)
+    output = torch.full_like(batch.query, 7.0)
+    impl_windowed.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+    _assert_matches_reference(batch, output, sliding_window=8, sinks=sinks)
+
+
+def test_fp8_kv_cache(vllm_config, device):
+    """--kv-cache-dtype fp8: the uint8 cache is read as e4m3 with the layer's scales; the KV
+    write quantizes the new tokens as the reference does (stored = real / scale)."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+    builder = EvenKVMetadataBuilder(spec, ["l0"], vllm_config, device)
+    attention = attention_of(builder)
+    assert attention.kv_dtype == torch.float8_e4m3fn and attention.dtype == vllm_config.model_config.dtype
+    layer = SimpleNamespace(_k_scale_float=0.25, _v_scale_float=0.5)
+    batch = MixedBatch(*MIXED["mixed"][:2], torch.float16, device, num_tokens=MIXED["mixed"][2], seed=12)
+    batch.to_fp8(0.25, 0.5)
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="fp8")
+    _, output = _run_step(builder, impl, batch, layer)
+    k_slots, v_slots = kv_cache_slot_views(batch.kv_cache, D)
+    assert torch.equal(k_slots.view(torch.uint8), batch.ref_k.view(torch.uint8))
+    assert torch.equal(v_slots.view(torch.uint8), batch.ref_v.view(torch.uint8))
+    _assert_matches_reference(batch, output, k_scale=0.25, v_scale=0.5)
 
 
 def test_slot_views_refuse_hnd_layout(device):
