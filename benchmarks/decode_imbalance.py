@@ -18,12 +18,20 @@ For each shape, total KV tokens T, page size P, batch size B and length distribu
   (device: events; host: wall time with a sync);
 * the device-to-device copy bandwidth (read + write counted) measured in the same process.
 
+``--kv-dtype fp8`` quantizes the same random K/V to float8_e4m3fn (real = stored x
+``KV_SCALES``, clamped into fp8's range) and runs what takes an fp8 cache with a bf16/fp16
+query; ``--window W`` gives every decode row keys [len - W, len) only. Implementations
+that cannot run a group (its page size, head dim, KV dtype or window) are left out of it,
+with the reason (``--list`` shows them). Bandwidth fractions count the bytes the kernel
+must read: min(len, W) tokens per request, in the cache's element size.
+
 Writes ``<out>/<date>-<gpu>/<tag>.csv`` (one row per measurement, flushed as it goes),
 then ``summary.md`` and PNGs over every CSV in that folder (``benchmarks.report``).
 
     python -m benchmarks.decode_imbalance --quick
     python -m benchmarks.decode_imbalance --T 262144,1048576 --pages 16,1 --out /tmp/res
     python -m benchmarks.decode_imbalance --shape llama3-8b,qwen2.5-7b --quick
+    python -m benchmarks.decode_imbalance --quick --kv-dtype fp8 --window 4096
     python -m benchmarks.decode_imbalance --list           # implementations and why any is skipped
     python -m benchmarks.decode_imbalance --dry-run ...    # the points a run would measure
 """
@@ -43,7 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
-from benchmarks.peers import MODULES, Batch, Context, Runner, Shape, load
+from benchmarks.peers import MODULES, Batch, Context, Runner, Shape, load, stop_background
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -57,6 +65,7 @@ SHAPES = {s.name: s for s in (
     Shape("llama3-70b-tp8", 8, 1, 128, "Llama-3-70B (64 q / 8 KV heads) at tensor parallel 8 (G = 8, Hkv = 1)"),
     Shape("qwen2.5-7b", 28, 4, 128, "Qwen2.5-7B (G = 7)"),
     Shape("llama3.2-1b", 32, 8, 64, "Llama-3.2-1B, head_dim 64 (G = 4)"),
+    Shape("gpt-oss-20b", 64, 8, 64, "gpt-oss-20b, head_dim 64 (G = 8; sinks, 128-token windows on half the layers)"),
     Shape("qwen3-next-80b-a3b", 16, 2, 256, "Qwen3-Next-80B-A3B full-attention layers, head_dim 256 (G = 8)"),
     Shape("gemma3-12b", 16, 8, 256, "Gemma-3-12B global layers, head_dim 256 (G = 2)"),
 )}
@@ -67,6 +76,11 @@ B_VALUES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 
 PAGE_SIZES = (16, 1)
 QUICK = {"T": (262144,), "B": (1, 16, 256, 2048), "pages": (16, 1), "max_reps": 15, "plan_reps": 5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the KV pool in --dtype
+# fp8 pool: stored = real / scale. Powers of two, so the reference's dequantization is exact;
+# unequal, so an implementation that swaps K's and V's scale fails its check; sized so that
+# N(0, 1) data up to 7 sigma (K) / 14 sigma (V) stays inside fp8's +-448.
+KV_SCALES = (2.0 ** -6, 2.0 ** -5)
 
 
 def dist_lengths(dist: str, total: int, batch: int):
@@ -137,6 +151,14 @@ def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
+def kv_read_bytes(lens, num_kv_heads: int, head_dim: int, elem_bytes: int, window: int = 0) -> int:
+    """Bytes of K and V a decode of requests of ``lens`` tokens must read: min(len, window)
+    tokens of each (every token without a window), Hkv x D elements of ``elem_bytes`` each,
+    for K and again for V. Example: kv_read_bytes([10, 3], 2, 64, 1, window=4) = 7 x 256."""
+    tokens = sum(min(n, window) for n in lens) if window else sum(lens)
+    return tokens * num_kv_heads * head_dim * 2 * elem_bytes
+
+
 def parse_int_list(text: str) -> tuple:
     vals = []
     for part in text.split(","):
@@ -188,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(HERE / "results"), help="results root (default benchmarks/results)")
     ap.add_argument("--tag", default=None, help="CSV name inside the run folder (default quick-/sweep-HHMMSS)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    ap.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="auto",
+                    help="KV pool dtype: auto = --dtype; fp8 = float8_e4m3fn with per-tensor scales")
+    ap.add_argument("--window", type=int, default=0,
+                    help="sliding window W: each decode row reads keys [len - W, len) (default 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--max-reps", type=int, default=None, help="timed calls per point at most (default 50)")
@@ -217,10 +243,23 @@ def resolve_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--min-reps/--max-reps: expected 1 <= min <= max, got {a.min_reps}/{a.max_reps}")
     if any(p < 1 for p in a.pages) or any(b < 1 for b in a.B) or any(t < 1 for t in a.T):
         raise SystemExit("--T/--B/--pages: expected positive integers")
+    if a.window < 0:
+        raise SystemExit(f"--window: expected a positive window or 0 (none), got {a.window}")
     a.shapes = [SHAPES[s] for s in a.shape]
     a.impl_patterns = [p.strip() for p in a.impls.split(",") if p.strip()]
     a.skip_patterns = [p.strip() for p in a.skip.split(",") if p.strip()]
     return a
+
+
+def kv_dtype_name(args) -> str:
+    """The KV pool's dtype as the CSV's ``kv_dtype`` column names it (bf16, fp16 or fp8)."""
+    return args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+
+
+def make_context(args, shape, page, device, max_batch=1, max_pages=1, num_sms=1) -> Context:
+    """The Context of one (shape, page size) group of the run ``args`` describes."""
+    return Context(shape, DTYPES[args.dtype], device, page, max_batch, max_pages, 1.0 / math.sqrt(shape.head_dim),
+                   num_sms, kv_dtype=KV_DTYPES[args.kv_dtype], window=args.window)
 
 
 def impl_name(family: str, variant: str) -> str:
@@ -272,17 +311,29 @@ def collect_env(device) -> dict:
 
 # ----------------------------------------------------------------------------- data
 
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8_e4m3fn, clamped into its range (a plain cast makes overflow NaN)."""
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    return (x / scale).clamp_(-fmax, fmax).to(torch.float8_e4m3fn)
+
+
 class Pool:
     """The KV pool of one (shape, T, page size): [num_pages, P, Hkv, D] random K and V,
-    with room for every batch of the sweep (partial last pages included)."""
+    with room for every batch of the sweep (partial last pages included). With
+    ``kv_dtype`` float8_e4m3fn the same random data is stored as ``to_fp8(x, scale)``,
+    scales ``KV_SCALES``."""
 
-    def __init__(self, shape, total, page, max_batch, dtype, device, seed):
+    def __init__(self, shape, total, page, max_batch, dtype, device, seed, kv_dtype=None):
         self.shape, self.page_size, self.device, self.dtype = shape, page, device, dtype
         self.num_pages = -(-total // page) + (max_batch if page > 1 else 0) + 64
         g = torch.Generator(device=device).manual_seed(seed)
         dims = (self.num_pages, page, shape.num_kv_heads, shape.head_dim)
         self.k = torch.randn(dims, generator=g, device=device, dtype=dtype)
         self.v = torch.randn(dims, generator=g, device=device, dtype=dtype)
+        self.k_scale = self.v_scale = 1.0
+        if kv_dtype == torch.float8_e4m3fn:
+            self.k_scale, self.v_scale = KV_SCALES
+            self.k, self.v = to_fp8(self.k, self.k_scale), to_fp8(self.v, self.v_scale)
 
     def batch(self, lens, seed) -> Batch:
         """A batch over this pool with a fresh random page placement (seeded)."""
@@ -305,35 +356,62 @@ class Pool:
         last = torch.tensor([n - (k - 1) * p for n, k in zip(lens, npages)], **i32)
         q = torch.randn(b, s.num_q_heads, s.head_dim, generator=g, device=dev, dtype=self.dtype)
         out = torch.empty_like(q)
-        return Batch(list(lens), torch.tensor(lens, **i32), p, table, page_indptr, perm, last, self.k, self.v, q, out)
+        return Batch(list(lens), torch.tensor(lens, **i32), p, table, page_indptr, perm, last, self.k, self.v, q, out,
+                     k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 # ----------------------------------------------------------------------------- correctness
 
-def reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes) -> dict:
+def reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes, window=0) -> dict:
     """{row: fp32 reference [Hq, D]} for the sampled rows, one KV head at a time (the
     reference expands K/V to fp32 per query head, so a whole long request would not fit);
-    rows whose per-head working set exceeds ``mem_cap_bytes`` are left out."""
-    from evenkv.kernels.reference import decode_reference
+    rows whose per-head working set exceeds ``mem_cap_bytes`` are left out. A row reads its
+    last ``window`` keys (all of them when 0); an fp8 pool is read as stored x scale, which
+    is exact (power-of-two scales)."""
+    from evenkv.kernels.reference import attention_reference
     g = shape.group
     refs = {}
     for b in rows:
         n = batch.seq_lens_host[b]
-        if 3 * n * g * shape.head_dim * 4 > mem_cap_bytes:
+        first = max(0, n - window) if window else 0
+        if 3 * (n - first) * g * shape.head_dim * 4 > mem_cap_bytes:
             continue
         parts = []
         for h in range(shape.num_kv_heads):
-            parts.append(decode_reference(batch.q[b:b + 1, h * g:(h + 1) * g], batch.k_slots[:, h:h + 1],
-                                          batch.v_slots[:, h:h + 1], batch.seq_lens[b:b + 1],
-                                          batch.page_table[b:b + 1], batch.page_size, sm_scale)[0])
+            k, v = (_request_kv(cache[:, h:h + 1], batch.page_table[b], n, batch.page_size, scale)[first:]
+                    for cache, scale in ((batch.k_slots, batch.k_scale), (batch.v_slots, batch.v_scale)))
+            parts.append(attention_reference(batch.q[b, h * g:(h + 1) * g], k, v, sm_scale)[0])
         refs[b] = torch.cat(parts, 0)
     return refs
+
+
+def _request_kv(cache, page_table_row, seq_len, page_size, scale) -> torch.Tensor:
+    """[seq_len, Hkv, D] fp32 of one request from a [num_slots, Hkv, D] cache, x ``scale``.
+    An fp8 cache is gathered as bytes: indexing float8 tensors is not implemented everywhere."""
+    from evenkv.kernels.reference import gather_request_kv
+    if cache.element_size() == 1:
+        rows = gather_request_kv(cache.view(torch.uint8), page_table_row, seq_len, page_size).view(cache.dtype)
+    else:
+        rows = gather_request_kv(cache, page_table_row, seq_len, page_size)
+    return rows.float() * scale
+
+
+def rounding_error(ref, dtype) -> float:
+    """Relative L2 error of storing ``ref`` in ``dtype``. For fp8, after scaling ref's
+    largest magnitude to fp8's largest, as a per-tensor scale would: fp8's exponent range
+    is too narrow for small outputs unscaled (a long decode's are ~1/sqrt(len))."""
+    norm = ref.norm().clamp_min(1e-30)
+    if dtype == torch.float8_e4m3fn:
+        s = torch.finfo(dtype).max / ref.abs().max().clamp_min(1e-30)
+        return float(((ref * s).to(dtype).float() / s - ref).norm() / norm)
+    return float((ref.to(dtype).float() - ref).norm() / norm)
 
 
 def compare_rows(out, refs, dtype) -> tuple:
     """(ok, worst relative L2 error, its tolerance). A row passes when its error is at most
     4x the error of merely rounding the reference to ``dtype`` (measured 0.0017 for bf16,
-    a bf16-P kernel 0.0023, one 64-token tile missing from 800k tokens 0.0084)."""
+    a bf16-P kernel 0.0023, one 64-token tile missing from 800k tokens 0.0084). An fp8 run
+    passes fp8 here: its kernels may compute in fp8 (FA3 and XQA quantize q and P)."""
     worst, worst_tol, ok = 0.0, 0.0, True
     for b, ref in refs.items():
         o = out[b].float()
@@ -341,7 +419,7 @@ def compare_rows(out, refs, dtype) -> tuple:
         if not bool(torch.isfinite(o).all()):
             return False, float("inf"), 0.0
         err = float((o - ref).norm() / norm)
-        tol = 4.0 * float((ref.to(dtype).float() - ref).norm() / norm) + 1e-4
+        tol = 4.0 * rounding_error(ref, dtype) + 1e-4
         if err / tol > (worst / worst_tol if worst_tol else 0.0):
             worst, worst_tol = err, tol
         ok &= err <= tol
@@ -454,11 +532,27 @@ class Impl:
         self.module, self.family, self.variant, self.default = module, family, variant, default
         self.name = impl_name(family, variant)
         self.version = ""
+        self.unsupported = {}  # (shape name, page size) -> why it does not run that group
+
+
+def unsupported_groups(mod, args, device) -> dict:
+    """{(shape name, page size): reason} for the groups of the run that ``mod`` cannot run."""
+    supports = getattr(mod, "supports", None)
+    if supports is None:
+        return {}
+    out = {}
+    for shape in args.shapes:
+        for page in args.pages:
+            reason = supports(make_context(args, shape, page, device))
+            if reason:
+                out[(shape.name, page)] = reason
+    return out
 
 
 def discover(args, device, quiet=False) -> tuple:
-    """(selected Impls, [(name or module, reason)] skipped)."""
-    probe = Context(args.shapes[0], DTYPES[args.dtype], device, 16, 1, 1, 1.0, 1)
+    """(selected Impls, [(family, reason)] skipped): a family is skipped where it cannot run
+    here at all, or none of the run's (shape, page size) groups."""
+    probe = make_context(args, args.shapes[0], 16, device)
     impls, skipped = [], []
     for modname in MODULES:
         mod = load(modname)
@@ -467,14 +561,19 @@ def discover(args, device, quiet=False) -> tuple:
             skipped.append((mod.FAMILY, why))
             continue
         try:
+            unsupported = unsupported_groups(mod, args, device)
             variants = mod.variants(probe)
         except Exception as e:  # noqa: BLE001
-            skipped.append((mod.FAMILY, f"variants(): {type(e).__name__}: {e}"))
+            skipped.append((mod.FAMILY, f"{type(e).__name__}: {e}"))
+            continue
+        if len(unsupported) == len(args.shapes) * len(args.pages):
+            skipped.append((mod.FAMILY, "; ".join(dict.fromkeys(unsupported.values()))))
             continue
         version = mod.version()
         for variant, default in variants:
             it = Impl(modname, mod.FAMILY, variant, default)
             it.version = version
+            it.unsupported = unsupported
             if selected(it.name, default, args.impl_patterns, args.skip_patterns):
                 impls.append(it)
     if not quiet:
@@ -501,6 +600,7 @@ class Bench:
         self.args = args
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[args.dtype]
+        self.kv_elem_bytes = (KV_DTYPES[args.kv_dtype] or self.dtype).itemsize
         self.env = collect_env(self.device)
         self.t_start = time.time()
         self.stop_reason = ""
@@ -523,9 +623,10 @@ class Bench:
         self.csv_file.flush()
 
     def base_row(self, shape, total, page, b, dist, lens, it):
-        kv_bytes = total * shape.num_kv_heads * shape.head_dim * 2 * torch.finfo(self.dtype).bits // 8
+        kv_bytes = kv_read_bytes(lens, shape.num_kv_heads, shape.head_dim, self.kv_elem_bytes, self.args.window)
         return {"shape": shape.name, "hq": shape.num_q_heads, "hkv": shape.num_kv_heads,
-                "head_dim": shape.head_dim, "dtype": self.args.dtype, "T": total, "B": b, "dist": dist,
+                "head_dim": shape.head_dim, "dtype": self.args.dtype, "kv_dtype": kv_dtype_name(self.args),
+                "window": self.args.window, "T": total, "B": b, "dist": dist,
                 "page": page, "max_len": max(lens), "min_len": min(lens), "name": it.name, "impl": it.family,
                 "variant": it.variant, "impl_version": it.version, "kv_bytes": kv_bytes,
                 "copy_rw_tbps": f"{self.copy_tbps:.4f}"}
@@ -544,10 +645,12 @@ class Bench:
         a = self.args
         max_batch = max(b for _, b, _, _ in points)
         max_pages = max(-(-max(lens) // page) for _, _, _, lens in points)
-        sm_scale = 1.0 / math.sqrt(shape.head_dim)
-        ctx = Context(shape, self.dtype, self.device, page, max_batch, max_pages, sm_scale, self.env["num_sms"])
+        ctx = make_context(a, shape, page, self.device, max_batch, max_pages, self.env["num_sms"])
+        sm_scale = ctx.sm_scale
         seed = stable_seed(a.seed, shape.name, total, page)
-        pool = Pool(shape, total, page, max_batch, self.dtype, self.device, seed)
+        pool = Pool(shape, total, page, max_batch, self.dtype, self.device, seed, ctx.kv_dtype)
+        # fp8 kernels may compute in fp8: their check tolerance follows the cache's dtype
+        tol_dtype = ctx.cache_dtype if ctx.kv_fp8 else self.dtype
         runners, bad = {}, {}  # name -> Runner; name -> (status, detail) for the whole group
         for it in impls:
             try:
@@ -566,14 +669,14 @@ class Bench:
                 self.check_time()
                 batch = pool.batch(lens_of[(b, d)], point_seed[(b, d)])
                 rows = sample_rows(b, a.check_rows, point_seed[(b, d)])
-                refs = reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes=12 << 30)
+                refs = reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes=12 << 30, window=a.window)
                 for it in impls:
                     if it.name in bad:
                         continue
                     r = runners[it.name]
                     try:
                         run_once(r, batch)
-                        ok, err, tol = compare_rows(batch.out, refs, self.dtype)
+                        ok, err, tol = compare_rows(batch.out, refs, tol_dtype)
                     except Exception as e:  # noqa: BLE001
                         msg = self.handle_error(e)
                         if self.fatal:
@@ -643,7 +746,7 @@ class Bench:
             return row(status="error", detail=self.handle_error(e))
         med = statistics.median(times)
         kvp = batch.k_pages
-        kv_bytes = batch.total_tokens * kvp.shape[2] * kvp.shape[3] * 2 * kvp.element_size()  # K and V
+        kv_bytes = kv_read_bytes(batch.seq_lens_host, kvp.shape[2], kvp.shape[3], kvp.element_size(), a.window)
         gbps = kv_bytes / (med * 1e-6) / 1e9
         return row(status="ok", detail=detail if detail != runner.config else "", us_med=f"{med:.2f}",
                    us_p20=f"{quantile(times, 0.2):.2f}", us_p80=f"{quantile(times, 0.8):.2f}",
@@ -652,6 +755,20 @@ class Bench:
                    frac_copy=f"{gbps / (self.copy_tbps * 1000):.4f}")
 
     # -- whole run ---------------------------------------------------------------
+    def start_prebuilds(self, impls) -> list:
+        """Start the background JIT builds of every (implementation, group) the run will
+        measure, where the adapter offers them; what was started."""
+        a, started = self.args, []
+        for it in impls:
+            prebuild = getattr(load(it.module), "prebuild", None)
+            if prebuild is None:
+                continue
+            for shape in a.shapes:
+                for page in a.pages:
+                    if (shape.name, page) not in it.unsupported:
+                        started += prebuild(it.variant, make_context(a, shape, page, self.device))
+        return started
+
     def run(self, impls) -> str:
         import csv
         a = self.args
@@ -663,11 +780,9 @@ class Bench:
               f"{self.env['triton']}; evenkv {self.env['evenkv']} {self.env['evenkv_git']}; "
               f"{self.env['flashinfer']}, {self.env['vllm']}, {self.env['sglang']}", flush=True)
         print(f"[bench] implementations: {', '.join(i.name for i in impls)}", flush=True)
-        fi = [i for i in impls if i.family == "flashinfer"]
-        if fi:
-            started = load("flashinfer").start_prebuild([s.head_dim for s in a.shapes], self.dtype)
-            if started:
-                print(f"[bench] FlashInfer JIT prebuild in the background: {', '.join(started)}", flush=True)
+        started = self.start_prebuilds(impls)
+        if started:
+            print(f"[bench] JIT builds in the background: {', '.join(started)}", flush=True)
         self.timer = GpuTimer(self.device, a.flush_mib)
         self.copy_tbps = copy_bandwidth(self.device, a.copy_mib)
         print(f"[bench] copy bandwidth {self.copy_tbps:.3f} TB/s (read + write); L2 flush {self.timer.flush_us:.0f} "
@@ -677,22 +792,27 @@ class Bench:
             for total in a.T:
                 pts = sweep_points((total,), a.B, a.dists)
                 for page in a.pages:
-                    if pts:
-                        groups.append((shape, total, page, pts))
-        n_meas = sum(len(g[3]) for g in groups) * len(impls)
+                    here = [i for i in impls if (shape.name, page) not in i.unsupported]
+                    if pts and here:
+                        groups.append((shape, total, page, pts, here))
+        for i in impls:
+            for (shape_name, page), why in i.unsupported.items():
+                self.notes.append(f"{i.name} not run for {shape_name} page {page}: {why}")
+        n_meas = sum(len(g[3]) * len(g[4]) for g in groups)
         with open(csv_path, "w", newline="") as f:
             self.csv_file, self.writer = f, csv.writer(f)
             self.writer.writerow(report.COLUMNS)
             f.flush()
             bar = progress(n_meas)
             try:
-                for shape, total, page, pts in groups:
-                    self.run_group(shape, total, page, pts, impls, bar)
+                for shape, total, page, pts, here in groups:
+                    self.run_group(shape, total, page, pts, here, bar)
             except Stop as e:
                 print(f"\n[bench] stopped early: {e}", flush=True)
                 self.notes.append(f"Run stopped early: {e}")
             finally:
                 bar.close()
+                stop_background()
         if not self.fatal:
             end_bw = copy_bandwidth(self.device, a.copy_mib)
             self.notes.append(f"Copy bandwidth at the start / end of {tag}: {self.copy_tbps:.3f} / {end_bw:.3f} TB/s")
@@ -738,15 +858,16 @@ class _PlainProgress:
 
 def dry_run(args) -> int:
     impls, skipped = discover(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"), quiet=True)
-    total = 0
+    total = n_meas = 0
     for shape in args.shapes:
         for t in args.T:
             pts = sweep_points((t,), args.B, args.dists)
             for page in args.pages:
                 total += len(pts)
+                n_meas += len(pts) * sum((shape.name, page) not in i.unsupported for i in impls)
                 print(f"{shape.name} {shape.num_q_heads}/{shape.num_kv_heads}/{shape.head_dim} T={t} page {page}: "
                       f"{len(pts)} points, checks at {check_points(pts)}")
-    print(f"{total} points x {len(impls)} implementations = {total * len(impls)} measurements")
+    print(f"{total} points, {len(impls)} implementations: {n_meas} measurements")
     print("implementations: " + (", ".join(i.name for i in impls) or "none available here"))
     for fam, why in skipped:
         print(f"skipped {fam}: {why}")
@@ -760,8 +881,10 @@ def list_impls(args) -> int:
     args2 = argparse.Namespace(**{**vars(args), "impl_patterns": ["*"], "skip_patterns": []})
     every, _ = discover(args2, dev, quiet=True)
     for i in every:
-        print(f"{i.name:28s} {'default' if i.default else 'extra  '} {'selected' if i.name in chosen else ''}  "
-              f"{i.version}")
+        kind, chosen_mark = "default" if i.default else "extra  ", "selected" if i.name in chosen else " " * 8
+        print(f"{i.name:28s} {kind} {chosen_mark}  {i.version}")
+        for (shape, page), why in i.unsupported.items():
+            print(f"{'':28s}   not run for {shape} page {page}: {why}")
     for fam, why in skipped:
         print(f"{fam:28s} unavailable: {why}")
     return 0

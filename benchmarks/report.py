@@ -4,22 +4,25 @@
     python -m benchmarks.report RESULTS_DIR_OR_CSV [...] [--out DIR] [--ours evenkv-balanced]
 
 Reads every CSV given (a folder means its ``*.csv``), keeps the last row of each
-(shape, T, page, B, dist, implementation), and writes into ``--out`` (default: the
-first folder given, or the first CSV's folder):
+(series, T, page, B, dist, implementation), and writes into ``--out`` (default: the
+first folder given, or the first CSV's folder). A series is a shape with its KV cache: the
+shape's name, plus ``kv=fp8`` when the KV dtype is not the model dtype and ``window=W``
+for a sliding window (CSVs without those columns hold the shape alone), so rows of
+different KV dtypes or windows are grouped, compared and plotted apart:
 
 * ``summary.md``: the headline numbers of ``--ours`` (worst fraction of the copy
   bandwidth over all points, worst flatness, worst and median ratio to FA3 auto and
   to the best peer at each point), each implementation's worst point, and per
-  (shape, T, page) the flatness table (max/min time over the distributions at each B),
+  (series, T, page) the flatness table (max/min time over the distributions at each B),
   the per-point ratios and the full time table;
-* PNGs per (shape, T, page): ``time_*`` (µs vs B, one panel per implementation, one
+* PNGs per (series, T, page): ``time_*`` (µs vs B, one panel per implementation, one
   line per distribution), ``frac_*`` (fraction of the copy bandwidth) and ``ratio_*``
   (ours / each peer). Skipped, with a note, when matplotlib is missing.
 
 Definitions. Ratio = time of ours / time of the other at the same point (< 1: ours is
 faster). Best peer = the fastest non-evenkv implementation with status ok at that point.
 Flatness = max / min of the median time over the distributions measured at one
-(shape, T, page, B); at B = 1 every distribution is the same single request, measured
+(series, T, page, B); at B = 1 every distribution is the same single request, measured
 once, so flatness is 1 there. Only rows with status ok count.
 """
 
@@ -35,12 +38,13 @@ from collections import defaultdict
 COLUMNS = [
     "run", "timestamp", "gpu", "num_sms", "cc", "torch", "triton", "cuda", "evenkv", "evenkv_git",
     "flashinfer", "vllm", "sglang",
-    "shape", "hq", "hkv", "head_dim", "dtype", "T", "B", "dist", "page", "max_len", "min_len",
+    "shape", "hq", "hkv", "head_dim", "dtype", "kv_dtype", "window", "T", "B", "dist", "page", "max_len", "min_len",
     "name", "impl", "variant", "impl_version", "config", "config_detail", "status", "detail",
     "us_med", "us_p20", "us_p80", "us_min", "n_rep", "plan_dev_us", "plan_host_us", "launch_host_us",
     "kv_bytes", "gbps", "frac_copy", "copy_rw_tbps", "check_err", "check_tol",
 ]
-INT_COLUMNS = ("hq", "hkv", "head_dim", "T", "B", "page", "max_len", "min_len", "n_rep", "kv_bytes", "num_sms")
+INT_COLUMNS = ("hq", "hkv", "head_dim", "window", "T", "B", "page", "max_len", "min_len", "n_rep", "kv_bytes",
+               "num_sms")
 FLOAT_COLUMNS = ("us_med", "us_p20", "us_p80", "us_min", "plan_dev_us", "plan_host_us", "launch_host_us", "gbps",
                  "frac_copy", "copy_rw_tbps", "check_err", "check_tol")
 DIST_ORDER = ("Uniform", "Skewed40", "Skewed60", "Skewed80", "2x40")
@@ -85,7 +89,20 @@ def _convert(row: dict) -> dict:
     for k in FLOAT_COLUMNS:
         v = row.get(k, "")
         row[k] = float(v) if v not in ("", None) else None
+    row["kv_dtype"] = row.get("kv_dtype") or row["dtype"]
+    row["window"] = row["window"] or 0
+    row["series"] = series(row)
     return row
+
+
+def series(r) -> str:
+    """The shape's name, with the KV dtype where it is not the model dtype and the window."""
+    label = r["shape"]
+    if r["kv_dtype"] != r["dtype"]:
+        label += f" kv={r['kv_dtype']}"
+    if r["window"]:
+        label += f" window={r['window']}"
+    return label
 
 
 def read_rows(inputs) -> list:
@@ -100,11 +117,11 @@ def read_rows(inputs) -> list:
 
 
 def point_key(r) -> tuple:
-    return (r["shape"], r["T"], r["page"], r["B"], r["dist"])
+    return (r["series"], r["T"], r["page"], r["B"], r["dist"])
 
 
 def group_key(r) -> tuple:
-    return (r["shape"], r["T"], r["page"])
+    return (r["series"], r["T"], r["page"])
 
 
 def is_ok(r) -> bool:
@@ -120,18 +137,18 @@ def dist_rank(d) -> int:
 
 
 def fmt_point(p) -> str:
-    shape, t, page, b, dist = p
-    return f"{shape} T={t} p{page} B={b} {dist}"
+    label, t, page, b, dist = p
+    return f"{label} T={t} p{page} B={b} {dist}"
 
 
 # ----------------------------------------------------------------------------- metrics
 
 def flatness(rows) -> dict:
-    """{(shape, T, page, B, name): (max/min us over distributions, number of distributions)}."""
+    """{(series, T, page, B, name): (max/min us over distributions, number of distributions)}."""
     times = defaultdict(list)
     for r in rows:
         if is_ok(r):
-            times[(r["shape"], r["T"], r["page"], r["B"], r["name"])].append(r["us_med"])
+            times[(r["series"], r["T"], r["page"], r["B"], r["name"])].append(r["us_med"])
     return {k: (max(v) / min(v), len(v)) for k, v in times.items()}
 
 
@@ -281,7 +298,8 @@ def summary_markdown(rows, ours=OURS, sources=(), notes=()) -> str:
     out += ["- Protocol: same KV pool, same random page placement and same q for every implementation; the long "
             "request(s) at batch index 0 (and 1); CUDA events around the attention call only; 256 MiB L2 flush "
             "before each timed call; median (p20/p80 in the CSV) of 5-50 calls; plan/prepare timed apart. "
-            "Fraction = KV bytes / time / copy bandwidth (a read-only kernel can exceed 100 %). "
+            "Fraction = KV bytes read (min(len, window) tokens per request, in the cache's element size) / time / "
+            "copy bandwidth (a read-only kernel can exceed 100 %). "
             "Ratio = ours / other (< 1: ours faster)."]
     out += [f"- {n}" for n in notes]
     out.append("")
@@ -386,7 +404,7 @@ def _slug(s: str) -> str:
 
 
 def plot_all(rows, out_dir, ours=OURS) -> list:
-    """PNG plots per (shape, T, page). Returns the files written ([] without matplotlib)."""
+    """PNG plots per (series, T, page). Returns the files written ([] without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -404,6 +422,8 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
         tag = f"{_slug(g[0])}_T{g[1]}_p{g[2]}"
         title = f"{g[0]}, T={g[1]}, page {g[2]} ({sub[0]['gpu']})"
         copy_bw = sub[0]["copy_rw_tbps"]
+        # The KV bytes are the same at every point of a group unless a window trims them.
+        kv_bytes = {r["kv_bytes"] for r in sub}
         for kind in ("time", "frac"):
             fig, axes = _panels(plt, len(names))
             for ax, n in zip(axes.flat, names):
@@ -413,7 +433,7 @@ def plot_all(rows, out_dir, ours=OURS) -> list:
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1.2, color=colors[dist],
                                 label=dist)
-                if kind == "time" and copy_bw:
+                if kind == "time" and copy_bw and len(kv_bytes) == 1:
                     ideal = sub[0]["kv_bytes"] / (copy_bw * 1e12) * 1e6
                     ax.axhline(ideal, color="k", ls=":", lw=0.8)
                 if kind == "frac":

@@ -7,6 +7,10 @@ device-to-device copy bandwidth measured in the same process, and the largest
 difference from the first candidate's output at that point. Usage:
 
     python -m benchmarks.tune_decode --out tune.csv [--shape gemma3-12b] [--tokens 262144] [--page 16]
+                                     [--kv-dtype fp8]
+
+``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
+byte per element.
 """
 
 import argparse
@@ -79,6 +83,7 @@ def main():
     ap.add_argument("--batches", default="1,8,64,512,2048")
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     args = ap.parse_args()
@@ -92,6 +97,10 @@ def main():
     pages_needed = total // page + 4096
     k = torch.randn(pages_needed * page, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
+    scales = {}
+    if args.kv_dtype == "fp8":
+        k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
+        scales = dict(k_scale=0.05, v_scale=0.05)
     if args.configs == "tables":
         # Every row at every point (each config is passed explicitly, so the many-segments
         # row runs at all batch sizes, not only where DecodeAttention would pick it).
@@ -103,7 +112,7 @@ def main():
     else:
         configs = [parse_config(name) for name in args.configs.split(",")]
     rows = []
-    kv_bytes = 2 * total * hkv * d * 2
+    kv_bytes = 2 * total * hkv * d * k.element_size()
     for batch in map(int, args.batches.split(",")):
         for dist in args.dists.split(","):
             q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed, shape)
@@ -111,12 +120,13 @@ def main():
             for cfg, policy in itertools.product(configs, args.policies.split(",")):
                 try:
                     attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
-                                                  config=cfg)
+                                                  config=cfg, kv_dtype=k.dtype)
                     plan = attn.plan(seq_lens, pt)
-                    out = attn.run(plan, q, k, v)
+                    out = attn.run(plan, q, k, v, **scales)
                     first_out = out.clone() if first_out is None else first_out
                     diff = (out.float() - first_out.float()).abs().max().item()
-                    us = statistics.median(timer.events(lambda: attn.run(plan, q, k, v, out=out), 30, 100.0))
+                    us = statistics.median(timer.events(lambda: attn.run(plan, q, k, v, out=out, **scales), 30,
+                                                        100.0))
                 except Exception as exc:  # a config that fails to compile (shared memory) is reported
                     print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                     continue

@@ -1,6 +1,8 @@
 """CPU tests of the benchmark harnesses (no GPU): the length generator, the sweep and
-check-point selection, the summary math on a synthetic CSV, argument parsing, the
-evenkv/peer adapters' naming, the whole measurement loop with CUDA timing mocked (evenkv
+check-point selection, fp8 pools, windows and the bytes they read, the summary math on a
+synthetic CSV, argument parsing, the evenkv/peer adapters' naming and what each says it
+supports, each peer adapter's calls against a stand-in of its peer's API (written from the
+peer's documented semantics), the whole measurement loop with CUDA timing mocked (evenkv
 kernels under the interpreter), and ``python -m evenkv demo`` in interpreter mode.
 """
 
@@ -19,7 +21,8 @@ from hypothesis import strategies as st
 
 import benchmarks.decode_imbalance as di
 from benchmarks import report
-from benchmarks.peers import Runner, evenkv_impl, sglang_triton
+from benchmarks.peers import (Runner, evenkv_impl, fa3, fi_jit, flashinfer_holistic, flashinfer_xqa, load,
+                               sglang_lean, sglang_triton)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,13 +128,75 @@ def test_batch_formats_agree():
         assert pool.batch(lens, 5).page_indices.tolist() == b.page_indices.tolist()  # same seed, same placement
 
 
+# ----------------------------------------------------------------------------- fp8 pools and windows
+
+def test_kv_read_bytes_counts_window_and_element_size():
+    assert di.kv_read_bytes([10, 3], 2, 64, 2) == 13 * 2 * 64 * 2 * 2          # bf16, every token
+    assert di.kv_read_bytes([10, 3], 2, 64, 1) == 13 * 2 * 64 * 2               # fp8: 1 byte
+    assert di.kv_read_bytes([10, 3], 2, 64, 1, window=4) == (4 + 3) * 2 * 64 * 2  # min(len, W) tokens
+    assert di.kv_read_bytes([10, 3], 2, 64, 2, window=100) == di.kv_read_bytes([10, 3], 2, 64, 2)
+
+
+def test_fp8_pool_holds_the_same_data_scaled():
+    shape, lens = di.Shape("t", 4, 2, 64), [40, 9]
+    args = (shape, sum(lens), 16, len(lens), torch.bfloat16, torch.device("cpu"), 3)
+    plain, fp8 = di.Pool(*args), di.Pool(*args, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.k.dtype == fp8.v.dtype == torch.float8_e4m3fn and (fp8.k_scale, fp8.v_scale) == di.KV_SCALES
+    for stored, scale, real in ((fp8.k, fp8.k_scale, plain.k), (fp8.v, fp8.v_scale, plain.v)):
+        back = stored.float() * scale
+        assert torch.isfinite(back).all()
+        assert ((back - real.float()).norm() / real.float().norm()) < 0.05   # e4m3 keeps 3 mantissa bits
+    b = fp8.batch(lens, 1)
+    assert (b.k_scale, b.v_scale) == di.KV_SCALES and b.k_pages.element_size() == 1
+    huge = di.to_fp8(torch.tensor([1e6, -1e6, 0.5]), 1.0).float()
+    assert huge.tolist() == [448.0, -448.0, 0.5]                              # clamped, not NaN
+
+
+def test_reference_rows_window_and_fp8_scales():
+    """A windowed row's reference is the plain reference of a request made of its last W
+    keys (page size 1: those keys are a slice of the page table); an fp8 pool's reference
+    is that of its dequantized values."""
+    from evenkv.kernels.reference import decode_reference
+    shape, lens, w = di.Shape("t", 4, 2, 64), [50, 7, 30], 16
+    pool = di.Pool(shape, sum(lens), 1, len(lens), torch.float16, torch.device("cpu"), 4)
+    b = pool.batch(lens, 2)
+    refs = di.reference_rows(b, [0, 1, 2], shape, 0.125, 1 << 30, window=w)
+    for r, n in enumerate(lens):
+        first = max(0, n - w)
+        want = decode_reference(b.q[r:r + 1], b.k_slots, b.v_slots, torch.tensor([n - first]),
+                                b.page_table[r:r + 1, first:].contiguous(), 1, 0.125)[0]
+        torch.testing.assert_close(refs[r], want, rtol=1e-5, atol=1e-6)
+    fp8 = di.Pool(shape, sum(lens), 1, len(lens), torch.float16, torch.device("cpu"), 4, torch.float8_e4m3fn)
+    b8 = fp8.batch(lens, 2)
+    deq_k = (b8.k_slots.float() * b8.k_scale).to(torch.float16)  # exact: fp8 values x 2^-k fit in fp16
+    deq_v = (b8.v_slots.float() * b8.v_scale).to(torch.float16)
+    refs = di.reference_rows(b8, [0, 2], shape, 0.125, 1 << 30)
+    for r in (0, 2):
+        want = decode_reference(b8.q[r:r + 1], deq_k, deq_v, b8.seq_lens[r:r + 1], b8.page_table[r:r + 1], 1, 0.125)
+        torch.testing.assert_close(refs[r], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_tolerance_is_scale_free():
+    """fp8's check tolerance is its rounding error after scaling, whatever the output's
+    magnitude (a long decode's outputs are ~1/sqrt(len), below fp8's normal range)."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(4, 64, generator=g) * 1e-3
+    assert 0.01 < di.rounding_error(ref, torch.float8_e4m3fn) < 0.05
+    assert di.rounding_error(ref, torch.float8_e4m3fn) == pytest.approx(di.rounding_error(ref * 1e3,
+                                                                                         torch.float8_e4m3fn))
+    off = {0: ref * 1.03}
+    assert di.compare_rows(off, {0: ref}, torch.float8_e4m3fn)[0]
+    assert not di.compare_rows(off, {0: ref}, torch.bfloat16)[0]
+    assert not di.compare_rows({0: ref * 2}, {0: ref}, torch.float8_e4m3fn)[0]  # a missed scale still fails
+
+
 # ----------------------------------------------------------------------------- summary math
 
-def _row(name, impl, b, dist, us, t=1000, page=16, shape="s", status="ok"):
+def _row(name, impl, b, dist, us, t=1000, page=16, shape="s", status="ok", **extra):
     kv_bytes = 1_000_000
     return {"run": "r", "timestamp": "2026-01-01T00:00:00", "gpu": "G", "torch": "t", "triton": "t", "cuda": "c",
             "evenkv": "0", "evenkv_git": "x", "flashinfer": "flashinfer absent", "vllm": "vllm absent",
-            "sglang": "sglang absent", "shape": shape, "hq": 32, "hkv": 4, "head_dim": 128, "T": t, "B": b,
+            "sglang": "sglang absent", "shape": shape, "hq": 32, "hkv": 4, "head_dim": 128, "T": t, "B": b, **extra,
             "dist": dist, "page": page, "name": name, "impl": impl, "variant": name, "status": status,
             "detail": "" if status == "ok" else "boom", "us_med": us if status == "ok" else "",
             "kv_bytes": kv_bytes, "copy_rw_tbps": 1.0,
@@ -202,6 +267,29 @@ def test_last_row_wins_and_report_cli(tmp_path):
     assert (tmp_path / "o" / "summary.md").exists()
 
 
+def test_kv_dtype_and_window_rows_form_their_own_series(tmp_path):
+    """Rows of one point with another KV dtype or a window neither replace nor join the
+    default rows: they are their own series, labelled in the summary; old CSVs (no such
+    columns) read as the default."""
+    fp8 = dict(dtype="bf16", kv_dtype="fp8")
+    win = dict(dtype="bf16", kv_dtype="bf16", window=24)
+    extra = [_row("evenkv-balanced", "evenkv", 4, "Uniform", 5.0, **fp8),
+             _row("fa3-auto", "fa3", 4, "Uniform", 4.0, **fp8),
+             _row("evenkv-balanced", "evenkv", 4, "Uniform", 2.0, **win),
+             _row("fa3-auto", "fa3", 4, "Uniform", 1.0, **win)]
+    _write_csv(tmp_path / "a.csv", SYNTH)
+    _write_csv(tmp_path / "b.csv", extra)
+    rows = report.read_rows([str(tmp_path)])
+    assert len(rows) == len(SYNTH) + len(extra)
+    assert {r["series"] for r in rows} == {"s", "s kv=fp8", "s window=24"}
+    ratios = {d["point"]: d["ratio_fa3"] for d in report.point_ratios(rows)}
+    assert ratios[("s", 1000, 16, 4, "Uniform")] == pytest.approx(1.25)       # the default rows, untouched
+    assert ratios[("s kv=fp8", 1000, 16, 4, "Uniform")] == pytest.approx(1.25)
+    assert ratios[("s window=24", 1000, 16, 4, "Uniform")] == pytest.approx(2.0)
+    text = Path(report.generate([str(tmp_path)], str(tmp_path / "out"), plots=False)["summary"]).read_text()
+    assert "## s kv=fp8, T = 1000, page size 16" in text and "## s window=24, T = 1000, page size 16" in text
+
+
 # ----------------------------------------------------------------------------- arguments
 
 def test_args_defaults_quick_and_overrides():
@@ -216,7 +304,14 @@ def test_args_defaults_quick_and_overrides():
     assert [(s.num_q_heads, s.num_kv_heads, s.head_dim) for s in o.shapes] == [(32, 8, 128), (16, 8, 256)]
     assert o.impl_patterns == ["evenkv-*", "fa3-auto"] and o.skip_patterns == ["*@sm80"]
     assert len(di.resolve_args(["--shape", "all"]).shapes) == len(di.SHAPES)
-    for bad in (["--dists", "Skewed50"], ["--shape", "gpt5"], ["--T", "x"], ["--min-reps", "9", "--max-reps", "3"]):
+    assert a.kv_dtype == "auto" and a.window == 0 and di.kv_dtype_name(a) == "bf16"
+    f = di.resolve_args(["--kv-dtype", "fp8", "--window", "4096", "--dtype", "fp16"])
+    assert di.kv_dtype_name(f) == "fp8" and f.window == 4096
+    ctx = di.make_context(f, di.SHAPES["llama3-8b"], 16, torch.device("cpu"))
+    assert ctx.kv_fp8 and ctx.cache_dtype == torch.float8_e4m3fn and ctx.window == 4096 and ctx.dtype == torch.float16
+    assert not di.make_context(a, a.shapes[0], 16, torch.device("cpu")).kv_fp8
+    for bad in (["--dists", "Skewed50"], ["--shape", "gpt5"], ["--T", "x"], ["--min-reps", "9", "--max-reps", "3"],
+                ["--window", "-1"], ["--kv-dtype", "int8"]):
         with pytest.raises(SystemExit):
             di.resolve_args(bad)
 
@@ -244,6 +339,51 @@ def test_impl_selection_and_names():
     assert names[:2] == ["balanced", "balanced@sm80"]  # CPU resolves to sm90: only the other table is forced
     assert sglang_triton.schedule_seq(5) == 256 and sglang_triton.schedule_seq(300) == 512
     assert sglang_triton.schedule_seq(256) == 256
+
+
+def test_what_each_adapter_says_it_supports():
+    cpu = torch.device("cpu")
+    qwen = di.SHAPES["qwen3-30b-a3b"]
+
+    def ctx(*argv, page=16, shape=qwen):
+        return di.make_context(di.resolve_args(list(argv)), shape, page, cpu)
+
+    assert evenkv_impl.feature_kwargs(ctx()) == {}  # a default run needs nothing new of the library
+    assert evenkv_impl.feature_kwargs(ctx("--kv-dtype", "fp8", "--window", "512")) == {
+        "kv_dtype": torch.float8_e4m3fn, "sliding_window": 512}
+    assert flashinfer_xqa.supports(ctx()) == "" and flashinfer_xqa.supports(ctx("--kv-dtype", "fp8")) == ""
+    assert "16, 32, 64, 128" in flashinfer_xqa.supports(ctx(page=1))
+    assert fa3.supports(ctx("--kv-dtype", "fp8")) == "" and fa3.supports(ctx("--window", "64")) == ""
+    assert "bf16" in fa3.supports(ctx("--kv-dtype", "fp8", "--dtype", "fp16"))
+    assert flashinfer_holistic.supports(ctx()) == ""
+    assert flashinfer_holistic.supports(ctx("--kv-dtype", "fp8", "--window", "64")) == \
+        "no fp8 KV cache; no sliding window"
+    assert sglang_triton.supports(ctx("--window", "64")) == "no sliding window"
+    assert fi_jit.decode_spec(ctx("--kv-dtype", "fp8"), tensor_cores=True) == ("prefill", "bf16", "fp8", "128", "0")
+    assert fi_jit.xqa_spec(ctx("--window", "64")) == ("xqa", "bf16", "bf16", "128", "16", "8", "1")
+    assert fi_jit.holistic_spec(ctx())[0] == "holistic"
+    # a module run, never the file: this folder's flashinfer.py would shadow FlashInfer
+    assert fi_jit.command(("decode",))[1:] == ["-m", "benchmarks.peers.fi_jit", "decode"]
+
+
+def test_lean_kernel_comes_from_the_kit_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("EVENKV_LEAN_DIR", raising=False)
+    assert sglang_lean.lean_dir() == REPO / ".kits" / "lean"
+    monkeypatch.setenv("EVENKV_LEAN_DIR", str(tmp_path))
+    assert sglang_lean.lean_dir() == tmp_path
+    ok, why = sglang_lean.available()
+    assert not ok and str(tmp_path / "decode_attention.py") in why and "benchmarks/peers/sglang_lean.py" in why
+
+
+def test_list_names_every_adapter_and_why_it_does_not_run(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert di.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert lines["evenkv-balanced"].split()[1:3] == ["default", "selected"]
+    for family in ("flashinfer_holistic", "flashinfer_xqa", "sglang_lean"):  # GPU only
+        assert "unavailable:" in lines[family], out
+    assert "no CUDA device" in lines["sglang_lean"] or "decode_attention.py missing" in lines["sglang_lean"]
 
 
 def test_dry_run_lists_the_points(capsys):
@@ -329,6 +469,180 @@ def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
     rows = list(csv.DictReader(open(run_dir / "w.csv")))
     assert [r["status"] for r in rows] == ["wrong", "wrong"] and not any(r["us_med"] for r in rows)
     assert "reference check failed" in rows[0]["detail"]
+
+
+# ----------------------------------------------------------------------------- peers' APIs, stood in
+
+def _paged_decode(q, k_pages, v_pages, tables, lens, scale, v_scale=1.0, window=0):
+    """What every stand-in computes, from its peer's documented semantics: fp32 decode over
+    an NHD paged cache [pages, P, Hkv, D] read as stored; request b's pages ``tables[b]``;
+    scores x ``scale``, output x ``v_scale``; the last ``window`` keys (all when 0)."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    page, g = k_pages.shape[1], q.shape[1] // k_pages.shape[2]
+    for b, n in enumerate(lens):
+        tok = torch.arange(max(0, n - window) if window else 0, n)
+        pages = torch.as_tensor(tables[b])[tok // page].long()
+        k, v = (c[pages, tok % page].float().repeat_interleave(g, 1) for c in (k_pages, v_pages))
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v) * v_scale
+    return out
+
+
+def _csr_tables(indptr, indices):
+    ind = indptr.tolist()
+    return [indices[ind[i]:ind[i + 1]].tolist() for i in range(len(ind) - 1)]
+
+
+class _DecodeWrapper:
+    """flashinfer.BatchDecodeWithPagedKVCacheWrapper (0.6.13): window_left is the left
+    inclusive width (W - 1 reads W keys); k_scale scales the scores, v_scale the output."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
+        assert kv_layout == "NHD"
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, sm_scale=None):
+        self.tables = _csr_tables(indptr, indices)
+        self.lens = [(len(t) - 1) * page_size + n for t, n in zip(self.tables, last_page_len.tolist())]
+        self.dtypes, self.window, self.sm_scale = (q_data_type, kv_data_type), window_left + 1, sm_scale
+
+    def run(self, q, paged_kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None):
+        k, v = paged_kv_cache
+        assert (q.dtype, k.dtype) == self.dtypes
+        out.copy_(_paged_decode(q, k, v, self.tables, self.lens, self.sm_scale * (k_scale or 1.0), v_scale or 1.0,
+                                self.window))
+        return out
+
+
+class _BatchAttention:
+    """flashinfer.BatchAttention (0.6.13): page CSR plus token lengths, its own workspaces."""
+
+    def __init__(self, kv_layout="NHD", device="cuda"):
+        assert kv_layout == "NHD"
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads, num_kv_heads, head_dim_qk,
+             head_dim_vo, page_size, causal=False, sm_scale=None, logits_soft_cap=None, q_data_type=torch.bfloat16,
+             kv_data_type=torch.bfloat16, use_profiler=False):
+        assert qo_indptr.tolist() == list(range(len(kv_len_arr) + 1)) and kv_len_arr.dtype == torch.int32
+        self.tables, self.lens, self.sm_scale = _csr_tables(kv_indptr, kv_indices), kv_len_arr.tolist(), sm_scale
+
+    def run(self, q, kv_cache, out=None, lse=None, k_scale=None, v_scale=None):
+        assert lse is not None and lse.shape == q.shape[:2] and lse.dtype == torch.float32
+        out.copy_(_paged_decode(q, *kv_cache, self.tables, self.lens, self.sm_scale))
+        return out, lse
+
+
+def _trtllm_decode(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0,
+                   bmm2_scale=1.0, window_left=-1, out=None, kv_layout="HND", backend="auto"):
+    """flashinfer.decode.trtllm_batch_decode_with_kv_cache (0.6.13), XQA: scores x bmm1_scale
+    (the softmax scale with k_scale in it), output x bmm2_scale (v_scale)."""
+    assert kv_layout == "NHD" and backend == "xqa" and workspace_buffer.dtype == torch.uint8
+    assert block_tables.dtype == seq_lens.dtype == torch.int32 and out.dtype == query.dtype
+    assert max_seq_len == max(seq_lens.tolist())
+    out.copy_(_paged_decode(query, *kv_cache, block_tables.tolist(), seq_lens.tolist(), bmm1_scale, bmm2_scale,
+                            window_left + 1))
+    return out
+
+
+def _fa3_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                  qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                  cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
+                  has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0):
+    return ("metadata", qkv_dtype, tuple(window_size), num_splits)
+
+
+def _fa3(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None, softmax_scale=None,
+         causal=False, window_size=None, block_table=None, out=None, scheduler_metadata=None, q_descale=None,
+         k_descale=None, v_descale=None, num_splits=0, fa_version=2):
+    """vllm.vllm_flash_attn.flash_attn_varlen_func (vLLM 0.26), FA3: q, k, v of one dtype,
+    an fp8 one with [B, Hkv] descales and bf16 output; decode keys [len - 1 - left, len)."""
+    assert fa_version == 3 and causal and q.dtype == k.dtype == v.dtype
+    assert out.dtype == (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+    assert scheduler_metadata == ("metadata", q.dtype, tuple(window_size), num_splits)
+    b, hkv = len(seqused_k), k.shape[2]
+    scale = [1.0, 1.0, 1.0]
+    for i, d in enumerate((q_descale, k_descale, v_descale)):
+        if d is not None:
+            assert d.shape == (b, hkv) and bool((d == d[0, 0]).all())
+            scale[i] = float(d[0, 0])
+    out.copy_(_paged_decode(q.float() * scale[0], k, v, block_table.tolist(), seqused_k.tolist(),
+                            softmax_scale * scale[1], scale[2], window_size[0] + 1))
+    return out
+
+
+@pytest.fixture
+def fake_peers(monkeypatch):
+    """FlashInfer and vLLM's FA3 as importable stand-ins; CUDA syncs and workspaces made CPU-cheap."""
+    fi = types.ModuleType("flashinfer")
+    fi.__version__ = "stand-in"
+    fi.BatchDecodeWithPagedKVCacheWrapper, fi.BatchAttention = _DecodeWrapper, _BatchAttention
+    fi.decode = types.ModuleType("flashinfer.decode")
+    fi.decode.trtllm_batch_decode_with_kv_cache = _trtllm_decode
+    vllm, vfa = types.ModuleType("vllm"), types.ModuleType("vllm.vllm_flash_attn")
+    vfa.flash_attn_varlen_func, vfa.get_scheduler_metadata = _fa3, _fa3_metadata
+    for name, mod in (("flashinfer", fi), ("flashinfer.decode", fi.decode), ("vllm", vllm),
+                      ("vllm.vllm_flash_attn", vfa)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(load("flashinfer"), "WORKSPACE_BYTES", 1 << 10)
+    monkeypatch.setattr(flashinfer_xqa, "WORKSPACE_BYTES", 1 << 10)
+
+
+PEER_CASES = [("flashinfer", "notc", "auto", 0), ("flashinfer", "tc", "fp8", 0), ("flashinfer", "notc", "auto", 24),
+              ("flashinfer_holistic", "default", "auto", 0), ("flashinfer_xqa", "default", "auto", 0),
+              ("flashinfer_xqa", "default", "fp8", 0), ("flashinfer_xqa", "default", "auto", 24),
+              ("fa3", "auto", "auto", 0), ("fa3", "auto", "fp8", 0), ("fa3", "ns1", "auto", 24)]
+
+
+@pytest.mark.parametrize("module,variant,kv,window", PEER_CASES)
+def test_peer_adapters_call_the_peer_api_as_documented(module, variant, kv, window, fake_peers):
+    """Each adapter, driven as the benchmark drives it, through a stand-in of its peer's API:
+    the output equals the fp32 reference, so index formats, scales (fp8: K and V scaled
+    differently) and the window reach the peer as its API defines them."""
+    cpu, shape, lens = torch.device("cpu"), di.Shape("t", 8, 2, 64), [70, 5, 33]
+    args = di.resolve_args(["--kv-dtype", kv, "--window", str(window)])
+    ctx = di.make_context(args, shape, 16, cpu, max_batch=len(lens), max_pages=8)
+    assert getattr(load(module), "supports", lambda c: "")(ctx) == ""
+    batch = di.Pool(shape, sum(lens), 16, len(lens), torch.bfloat16, cpu, 0, ctx.kv_dtype).batch(lens, 1)
+    runner = load(module).make(variant, ctx)
+    di.run_once(runner, batch)
+    refs = di.reference_rows(batch, range(len(lens)), shape, ctx.sm_scale, 1 << 30, window=window)
+    ok, err, tol = di.compare_rows(batch.out, refs, torch.float8_e4m3fn if ctx.kv_fp8 else torch.bfloat16)
+    assert ok, f"rel err {err:.3g} > tol {tol:.3g}"
+    assert runner.describe()
+
+
+@pytest.mark.interpreter
+def test_fp8_window_run_writes_its_columns_and_bytes(tmp_path, monkeypatch, mocked_cuda, fake_peers):
+    """A whole --kv-dtype fp8 --window run over stand-in peers: every row carries the KV
+    dtype, the window and the bytes of the window's tokens in 1-byte elements; XQA, which
+    takes pages of 16+ only, is left out of page 1 with a note; its JIT build is started
+    for page 16 only."""
+    monkeypatch.setattr(flashinfer_xqa, "available", lambda: (True, ""))
+    builds = []
+    monkeypatch.setattr(fi_jit, "start_background", lambda key, argv: builds.append(key) or True)
+    args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "2,4", "--dists", "Uniform,Skewed80",
+                            "--pages", "16,1", "--impls", "fa3-auto,flashinfer_xqa", "--kv-dtype", "fp8",
+                            "--window", "24", "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1",
+                            "--flush-mib", "1", "--copy-mib", "1", "--out", str(tmp_path), "--tag", "f", "--no-plots"])
+    impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
+    assert [i.name for i in impls] == ["fa3-auto", "flashinfer_xqa"]
+    run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
+    assert builds == [("xqa", "bf16", "fp8", "64", "16", "2", "1")]
+    rows = list(csv.DictReader(open(run_dir / "f.csv")))
+    assert sorted((r["name"], r["page"]) for r in rows) == sorted(
+        [("fa3-auto", p) for p in ("16", "1") for _ in range(4)] + [("flashinfer_xqa", "16")] * 4)
+    assert all(r["status"] == "ok" for r in rows), [(r["name"], r["status"], r["detail"]) for r in rows]
+    for r in rows:
+        lens = di.dist_lengths(r["dist"], 80, int(r["B"]))
+        assert (r["kv_dtype"], r["window"], r["dtype"]) == ("fp8", "24", "bf16")
+        assert int(r["kv_bytes"]) == di.kv_read_bytes(lens, 2, 64, 1, window=24)
+    checked = [r for r in rows if r["check_err"]]
+    assert checked and all(float(r["check_err"]) <= float(r["check_tol"]) for r in checked)
+    summary = (run_dir / "summary.md").read_text()
+    assert "flashinfer_xqa not run for tiny page 1: pages of 16, 32, 64, 128 tokens only" in summary
+    assert "## tiny kv=fp8 window=24, T = 80, page size 16" in summary
 
 
 # ----------------------------------------------------------------------------- the demo

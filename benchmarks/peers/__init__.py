@@ -9,6 +9,14 @@ One small module per implementation; each is imported lazily and exposes
                                         unless ``--impls`` names others
     make(variant, ctx) -> Runner        one runner per (shape, T, page size)
 
+and optionally
+
+    supports(ctx) -> str                why it cannot run this context (page size, head dim,
+                                        KV dtype, window), "" when it can; groups it cannot
+                                        run are left out of the sweep with that reason
+    prebuild(variant, ctx) -> [str]     start background builds of the JIT modules it will
+                                        load (``start_background``); what it started
+
 A ``Runner`` owns its workspaces (allocated once, at most ``ctx.max_batch`` requests)
 and is driven per sweep point as
 
@@ -24,13 +32,18 @@ the device kit of peers provides them); no peer source lives in this repo.
 
 import functools
 import importlib
+import os
+import signal
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-# Adapter modules in the order the sweep runs them at each point. FlashInfer comes
-# last: on a fresh machine its first use waits for a JIT build.
-MODULES = ("evenkv_impl", "fa3", "sglang_triton", "vllm_triton", "flashinfer")
+# Adapter modules in the order the sweep runs them at each point. FlashInfer's come
+# last: on a fresh machine their first use waits for a JIT build.
+MODULES = ("evenkv_impl", "fa3", "sglang_triton", "sglang_lean", "vllm_triton", "flashinfer",
+           "flashinfer_holistic", "flashinfer_xqa")
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,27 @@ class Context:
     max_pages: int          # widest page-table row the sweep can produce
     sm_scale: float
     num_sms: int
+    kv_dtype: torch.dtype | None = None   # the KV pool's dtype; None: the same as dtype
+    window: int = 0         # sliding window: a decode row reads keys [len - window, len); 0: none
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.cache_dtype == torch.float8_e4m3fn
+
+
+def feature_gaps(ctx: Context, fp8_kv: bool, window: bool) -> str:
+    """``supports`` helper: why an implementation without an fp8 KV cache (``fp8_kv``
+    False) or without a sliding window (``window`` False) cannot run ``ctx``; "" if it can."""
+    gaps = []
+    if ctx.kv_fp8 and not fp8_kv:
+        gaps.append("no fp8 KV cache")
+    if ctx.window and not window:
+        gaps.append("no sliding window")
+    return "; ".join(gaps)
 
 
 @dataclass
@@ -69,8 +103,9 @@ class Batch:
     seq_lens [B] int32 and seq_lens_host (list); page_table [B, max_pages] int32 (rows
     padded with 0); page_indptr [B + 1] / page_indices [sum pages] / last_page_len [B]
     int32 (FlashInfer's CSR form of the same placement); k_pages / v_pages
-    [num_pages, page_size, Hkv, D] (the pool, shared by every point); q / out [B, Hq, D].
-    Token-level indices (SGLang) are derived on first use.
+    [num_pages, page_size, Hkv, D] (the pool, shared by every point; bf16/fp16, or
+    float8_e4m3fn holding real / k_scale and real / v_scale); q / out [B, Hq, D] (the
+    model dtype). Token-level indices (SGLang) are derived on first use.
     """
 
     seq_lens_host: list
@@ -84,6 +119,8 @@ class Batch:
     v_pages: torch.Tensor
     q: torch.Tensor
     out: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -160,6 +197,32 @@ def try_import(name: str):
         return importlib.import_module(name), ""
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
         return None, f"import {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+REPO = Path(__file__).resolve().parents[2]
+_background: dict = {}  # key -> Popen of a job an adapter started (a JIT build)
+
+
+def start_background(key, argv) -> bool:
+    """Run ``argv`` in the background from the repository root (so ``python -m benchmarks...``
+    works), once per ``key``, output discarded (a failed build shows again, with its
+    message, when the peer builds the module itself). True if started now."""
+    if key in _background:
+        return False
+    # Its own process group, so that stop_background also ends the compilers it starts.
+    _background[key] = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True)
+    return True
+
+
+def stop_background() -> None:
+    """End the background jobs still running, with their children, and forget them (a later
+    run starts them again); finished ones stay, done."""
+    for key, proc in list(_background.items()):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            del _background[key]
 
 
 def module_version(name: str) -> str:

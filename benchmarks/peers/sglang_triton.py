@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from . import Runner, module_version, try_import
+from . import Runner, feature_gaps, module_version, try_import
 
 FAMILY = "sglang_triton"
 MODULE = "sglang.kernels.ops.attention.decode_attention"
@@ -38,6 +38,10 @@ def version() -> str:
 
 def variants(ctx):
     return [("auto8", True), ("fix8", False), ("fix16", False)]
+
+
+def supports(ctx) -> str:
+    return feature_gaps(ctx, fp8_kv=False, window=False)
 
 
 def _arg_names(fn) -> list:

@@ -7,7 +7,7 @@ There is no plan step (vLLM's builder only packs metadata).
 
 import torch
 
-from . import Runner, module_version, try_import
+from . import Runner, feature_gaps, module_version, try_import
 
 FAMILY = "vllm_triton"
 MODULE = "vllm.v1.attention.ops.triton_unified_attention"
@@ -26,6 +26,10 @@ def version() -> str:
 
 def variants(ctx):
     return [("default", True)]
+
+
+def supports(ctx) -> str:
+    return feature_gaps(ctx, fp8_kv=False, window=False)
 
 
 def _next_pow2(n: int) -> int:
