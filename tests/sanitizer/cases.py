@@ -1,11 +1,12 @@
 """Tiny runs of every evenkv kernel for compute-sanitizer on the GPU (tests/sanitizer/run.sh).
 
-    python3 tests/sanitizer_cases.py [all|persistent]
+    python3 tests/sanitizer_cases.py [all|persistent|hostile|terms]
 
 all (default): decode for each policy (balanced, fa3, none, balanced + deterministic) on
 page sizes 16 and 1, with the merge kernels (small and default CTA counts so requests
 are cut), write_kv (int32 and int64 slot mappings with skipped -1 slots), extend (both
-KV layouts) and a mixed batch (evenkv.Attention); the balanced policy with each sm90 table row
+KV layouts), a mixed batch (evenkv.Attention), the layer terms (terms: a window, a soft-cap,
+sinks and an FP8 cache on every policy, and in a mixed batch); the balanced policy with each sm90 table row
 that tiny batches do not pick (the many-segments rows of head_dim 64 and 128, head_dim
 256 at page 16) passed explicitly. persistent: only the persistent decode kernels
 (balanced stream, fa3 and deterministic unit queues), for racecheck.
@@ -170,6 +171,50 @@ def extend_cases():
     return count
 
 
+def layer_term_cases():
+    """What a layer adds: a sliding window, a soft-cap, sinks and an FP8 cache (written by the
+    FP8 KV write), on every decode policy (3 CTAs and the default grid), and a mixed batch of
+    the same layer through evenkv.Attention (decode rows on the decode kernels, extend rows
+    on the extend kernel)."""
+    count = 0
+    fp8, ks, vs = torch.float8_e4m3fn, 0.05, 0.04
+    q, k, v, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, 64, 16, DTYPE, DEV, seed=13)
+    k8, v8 = torch.empty_like(k, dtype=fp8), torch.empty_like(v, dtype=fp8)
+    evenkv.write_kv(k8, v8, k, v, torch.arange(k.shape[0], device=DEV), k_scale=ks, v_scale=vs)
+    sinks = torch.linspace(-2.0, 2.0, HQ, device=DEV)
+    host = [t.cpu() for t in (q, k8, v8, seq_lens, pt)]
+    for window, cap in ((24, None), (None, 3.0), (2048, 3.0)):
+        layer = dict(sliding_window=window, logit_cap=cap)
+        for policy, det in VARIANTS:
+            for num_ctas in (3, None):
+                attn = evenkv.DecodeAttention(HQ, HKV, 64, 16, DTYPE, DEV, len(LENS), pt.shape[1], policy,
+                                              deterministic=det, num_ctas=num_ctas, kv_dtype=fp8, **layer)
+                out = attn.run(attn.plan(seq_lens, pt), q, k8, v8, sinks=sinks, k_scale=ks, v_scale=vs)
+                sync()
+                assert torch.isfinite(out).all() and torch.all(out[seq_lens == 0] == 0), (policy, det, layer)
+                assert_close_to_reference(out.cpu(), *host, 16, sinks=sinks.cpu(), k_scale=ks, v_scale=vs, **layer)
+                print(f"CASE ok decode terms policy={policy} det={det} window={window} cap={cap} ctas={num_ctas}",
+                      flush=True)
+                count += 1
+    q_lens, prefixes = [1, 1, 1, 9, 30], [20, 0, 99, 7, 16]
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    _, k, v, seq_lens, pt = make_paged_batch(seq, HQ, HKV, 64, 16, DTYPE, DEV, seed=14)
+    k8, v8 = torch.empty_like(k, dtype=fp8), torch.empty_like(v, dtype=fp8)
+    evenkv.write_kv(k8, v8, k, v, torch.arange(k.shape[0], device=DEV), k_scale=ks, v_scale=vs)
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(sum(q_lens), HQ, 64, generator=gen).to(DTYPE).to(DEV)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    attn = evenkv.Attention(HQ, HKV, 64, 16, DTYPE, DEV, max_batch_size=8, max_pages_per_request=pt.shape[1],
+                            sliding_window=12, logit_cap=3.0, kv_dtype=fp8)
+    out = attn.run(attn.plan(cu, seq_lens, pt, num_decodes=3, max_q_len=30), q, k8, v8, sinks=sinks, k_scale=ks,
+                   v_scale=vs)
+    args = [t.cpu() for t in (q, k8, v8, cu, seq_lens, pt)] + [16]
+    terms = dict(sliding_window=12, logit_cap=3.0, sinks=sinks.cpu(), k_scale=ks, v_scale=vs)
+    check_extend_rule(out, extend_reference(*args, **terms), extend_reference(*args, **terms, compute_dtype=DTYPE))
+    print("CASE ok mixed terms", flush=True)
+    return count + 1
+
+
 def mixed_case():
     """vLLM-ordered mixed batch: 4 decode rows then 2 extend rows (the decode part through
     the balanced decode plan and merge, the rest through extend)."""
@@ -261,11 +306,13 @@ def main(which: str) -> None:
         n = decode_cases(PERSISTENT, head_dims=(128,), page_sizes=(16,))
     elif which == "hostile":
         n = hostile_cases()
+    elif which == "terms":
+        n = layer_term_cases()
     elif which == "all":
         n = (decode_cases(VARIANTS) + sm90_row_cases() + write_kv_cases() + extend_cases() + mixed_case()
-             + hostile_cases())
+             + layer_term_cases() + hostile_cases())
     else:
-        sys.exit(f"usage: cases.py [all|persistent|hostile], got {which!r}")
+        sys.exit(f"usage: cases.py [all|persistent|hostile|terms], got {which!r}")
     print(f"CASES OK {n}", flush=True)
 
 
