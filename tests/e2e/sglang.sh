@@ -10,6 +10,8 @@
 #           time, evenkv vs triton (tests/e2e/sglang_skew_step.py), CUDA graphs on
 #   pytest  the GPU lane of tests/engines/test_sglang_integration.py (realistic SGLang pools, real CUDA
 #           graph replay) plus its CPU-lane tests run on the GPU
+#   fp8     tests/e2e/compare.py --compare on the tiny Qwen3 with --kv-cache-dtype fp8_e4m3: evenkv and
+#           triton both over an e4m3 pool (CUDA graphs), tokens and logprobs against HF and each other
 #   server  the operator's path: `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B
 #           attention shape, dummy weights, CUDA graphs), 256 concurrent streaming requests from a localhost
 #           client, stopped by PID; start-up time and Triton compiles after start-up
@@ -98,6 +100,14 @@ step_pytest() {
   tail -3 "$L/pytest-sglang.log" 2>/dev/null | sed 's/^/   /'
 }
 
+step_fp8() {
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  run_step fp8 330 200 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang --graphs 1 --compare \
+    --kv-cache-dtype fp8_e4m3
+}
+
 step_server() {
   (cd "$ROOT" && run_step server 300 200 python3 -m benchmarks.serving sglang --backends evenkv --workloads chat \
     --out "$L/server" --budget 280 --min-child 200)
@@ -110,7 +120,8 @@ for s in ${@:-checks skew pytest}; do
     skew) step_skew ;;
     pytest) step_pytest ;;
     server) step_server ;;
-    *) echo "unknown step $s (checks | skew | pytest | server)"; exit 2 ;;
+    fp8) step_fp8 ;;
+    *) echo "unknown step $s (checks | skew | pytest | fp8 | server)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
