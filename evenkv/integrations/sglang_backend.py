@@ -129,7 +129,8 @@ class EvenKVAttnBackend(AttentionBackend):
                 max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21)
             logger.info("evenkv: attention layers of %s decode on evenkv's balanced kernels; prefill and extend run "
                         "on %s", kind, self.attentions[kind].prefill_reason)
-        self.deterministic = bool(deterministic)
+        # Server flag or EVENKV_DETERMINISTIC, as the Attention objects resolved it.
+        self.deterministic = next(iter(self.attentions.values())).deterministic
         self.errors = ErrorWatcher(self.device)  # polled once per step: logs bad batch data, never syncs
         self._warmup()
         # cu_seqlens_q of every decode batch: request i owns q row i.

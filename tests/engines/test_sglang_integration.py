@@ -856,3 +856,11 @@ def test_deterministic_inference(lane):
     out = backend.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
                           world.randn(t, world.hkv, world.d), world.layers[0], fb)
     assert torch.isfinite(out).all()
+
+
+def test_deterministic_from_environment(lane, monkeypatch):
+    """EVENKV_DETERMINISTIC=1 without the server flag: the Attention objects and the backend's
+    extend path (new tokens read back from the cache) agree on it."""
+    monkeypatch.setenv("EVENKV_DETERMINISTIC", "1")
+    backend = World(1, *lane).backend()
+    assert backend.deterministic and attention_of(backend).decode.deterministic
