@@ -119,9 +119,9 @@ class EvenKVAttnBackend(AttentionBackend):
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         prefill = sglang_flash_attention(self.device)
-        self.layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model)
+        layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model)
         self.attentions = {}
-        for kind in set(self.layer_kinds.values()) or {LayerKind()}:
+        for kind in set(layer_kinds.values()) or {LayerKind()}:
             self.attentions[kind] = Attention(
                 self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.device,
                 max_batch_size, self.max_pages, policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
@@ -136,7 +136,7 @@ class EvenKVAttnBackend(AttentionBackend):
         # cu_seqlens_q of every decode batch: request i owns q row i.
         self._decode_cu_seqlens = torch.arange(max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.forward_metadata: ForwardMetadata | None = None
-        self._checked_layers: set[int] = set()
+        self._layer_kind: dict[int, LayerKind] = {}  # layer id -> its kind, once the layer is checked
         # CUDA-graph buffers (init_cuda_graph_state).
         self.cuda_graph_seq_lens: torch.Tensor | None = None
         self.cuda_graph_page_table: torch.Tensor | None = None
@@ -290,11 +290,12 @@ class EvenKVAttnBackend(AttentionBackend):
         """Refuse per-layer features evenkv lacks (each layer checked once; score_mod every call)."""
         if kwargs.get("score_mod") is not None:
             raise NotImplementedError(f"evenkv: score_mod (layer {layer.layer_id}) is not supported")
-        if layer.layer_id in self._checked_layers:
+        if layer.layer_id in self._layer_kind:
             return
         problems = []
-        if LayerKind.of(layer) not in self.attentions:
-            problems.append(f"{LayerKind.of(layer)} is not among the model's layer kinds {list(self.attentions)}")
+        kind = LayerKind.of(layer)
+        if kind not in self.attentions:
+            problems.append(f"{kind} is not among the model's layer kinds {list(self.attentions)}")
         if (layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim) != \
                 (self.num_q_heads, self.num_kv_heads, self.head_dim):
             problems.append(f"heads/head_dim (Hq, Hkv, D) = ({layer.tp_q_head_num}, {layer.tp_k_head_num}, "
@@ -316,7 +317,7 @@ class EvenKVAttnBackend(AttentionBackend):
         if problems:
             raise NotImplementedError(f"evenkv: layer {layer.layer_id} uses features evenkv does not support: "
                                       + "; ".join(problems))
-        self._checked_layers.add(layer.layer_id)
+        self._layer_kind[layer.layer_id] = kind
 
     def _save_kv(self, layer, forward_batch, k, v) -> None:
         if layer.k_scale is None:
@@ -372,7 +373,7 @@ class EvenKVAttnBackend(AttentionBackend):
         return out.view(-1, hq * d)
 
     def _run(self, layer, meta: ForwardMetadata, q, k_cache, v_cache, out, k_new, v_new, sinks) -> None:
-        kind = LayerKind.of(layer)
+        kind = self._layer_kind[layer.layer_id]
         scales = {}
         if self.fp8:
             scales = dict(k_scale=float(layer.k_scale_float or 1.0), v_scale=float(layer.v_scale_float or 1.0))

@@ -1,4 +1,4 @@
-"""Tensor-core dots and narrowing casts shared by the kernels.
+"""Tensor-core dots, narrowing casts, the soft-cap and the FP8 store rounding shared by the kernels.
 
 Triton's CPU interpreter (3.6) gets two bf16 operations wrong: ``tl.dot`` on bf16 operands
 (errors of ~1e10 on a plain 16 x 16 dot; fp16 and fp32 are right), and fp32 -> bf16 casts,
@@ -13,8 +13,10 @@ import os
 import triton
 import triton.language as tl
 
+from . import launching
+
 INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = tl.constexpr(launching.LOG2E)  # the host scales' log2(e), as a kernel constant
 # e4m3's largest finite value: stores into an FP8 cache saturate to it.
 FP8_E4M3_MAX = tl.constexpr(448.0)
 # Decode against an FP8 cache runs its dots in fp16; q is scaled by this first (a power of two:
