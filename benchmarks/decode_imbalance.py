@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The decode-imbalance benchmark (DESIGN.md §7): evenkv and every available peer, one run,
+"""The decode-imbalance benchmark: evenkv and every available peer, one run,
 same data, on one GPU.
 
 For each shape, total KV tokens T, page size P, batch size B and length distribution
