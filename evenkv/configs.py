@@ -146,7 +146,7 @@ _DECODE_PAGED = {
 # Batches of at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of the main
 # grid are bound by each CTA's iterations, not its bytes: more, smaller CTAs win there
 # (docs/tuning.md "Decode, many short segments"). Each row with the smallest page size it serves.
-MANY_SEGMENTS_PER_CTA = 10
+MANY_SEGMENTS_PER_CTA = 4
 _DECODE_MANY_SEGMENTS = {
     "sm90": {
         "d64": (1, DecodeConfig("sm90-d64-many", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=8,
