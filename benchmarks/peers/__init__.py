@@ -225,6 +225,12 @@ def stop_background() -> None:
             del _background[key]
 
 
+def opt_in_only(ctx):
+    """``variants`` of a peer that runs only when ``--impls`` names it: its one variant,
+    "default", is not in the default sweep, which keeps the published peers."""
+    return [("default", False)]
+
+
 def module_version(name: str) -> str:
     try:
         mod = importlib.import_module(name)

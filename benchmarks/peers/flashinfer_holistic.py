@@ -18,7 +18,8 @@ and fp8 is not wired. One JIT module per (dtype, head_dim), prebuilt in the back
 
 import torch
 
-from . import Runner, feature_gaps, fi_jit, module_version, try_import
+from . import Runner, feature_gaps, fi_jit, opt_in_only, try_import
+from .flashinfer import version  # noqa: F401 - the adapter protocol's version()
 
 FAMILY = "flashinfer_holistic"
 MODULE = "flashinfer"
@@ -35,12 +36,7 @@ def available():
     return True, ""
 
 
-def version() -> str:
-    return f"flashinfer {module_version('flashinfer')}"
-
-
-def variants(ctx):
-    return [("default", False)]  # runs when --impls names it: the default sweep keeps the published peers
+variants = opt_in_only
 
 
 def supports(ctx) -> str:

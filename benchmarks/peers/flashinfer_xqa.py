@@ -18,7 +18,8 @@ size, head_dim, G, window), prebuilt in the background.
 
 import torch
 
-from . import Runner, fi_jit, module_version, try_import
+from . import Runner, fi_jit, opt_in_only, try_import
+from .flashinfer import version  # noqa: F401 - the adapter protocol's version()
 
 FAMILY = "flashinfer_xqa"
 MODULE = "flashinfer.decode"
@@ -41,12 +42,7 @@ def available():
     return True, ""
 
 
-def version() -> str:
-    return f"flashinfer {module_version('flashinfer')}"
-
-
-def variants(ctx):
-    return [("default", False)]  # runs when --impls names it: the default sweep keeps the published peers
+variants = opt_in_only
 
 
 def supports(ctx) -> str:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import Runner, feature_gaps
+from . import Runner, feature_gaps, opt_in_only
 
 FAMILY = "sglang_lean"
 SGLANG_VERSION = "0.5.23"
@@ -89,8 +89,7 @@ def version() -> str:
     return f"sglang {SGLANG_VERSION} (copied kernel file)"
 
 
-def variants(ctx):
-    return [("default", False)]  # runs when --impls names it: the default sweep keeps the published peers
+variants = opt_in_only
 
 
 def supports(ctx) -> str:
