@@ -64,7 +64,8 @@ if "--cpu-smoke" in sys.argv:
 import torch  # noqa: E402
 
 from evenkv.configs import EXTEND_CONFIG_CANDIDATES, ExtendConfig, extend_config, resolve_arch  # noqa: E402
-from evenkv.extend import plan_extend, run_extend  # noqa: E402
+from evenkv.extend_attention import run_extend  # noqa: E402
+from evenkv.planning import plan_extend  # noqa: E402
 
 FIELDS = ["impl", "variant", "config", "scenario", "batch", "prompt", "prefix", "page_size", "num_q_heads",
           "num_kv_heads", "head_dim", "dtype", "us_median", "us_p20", "us_p80", "reps", "tflops", "status",

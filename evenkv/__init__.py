@@ -12,10 +12,11 @@ Public API:
 
 from .attention import Attention, AttentionPlan
 from .configs import DecodeConfig, ExtendConfig, decode_config, extend_config, resolve_arch
-from .decode import POLICIES, DecodeAttention, DecodePlan, decode, write_kv
+from .decode_attention import POLICIES, DecodeAttention, DecodePlan, decode
 from .errors import EvenKVError, check_errors
-from .extend import extend
-from .schedule import StreamSchedule, UnitSchedule
+from .extend_attention import extend
+from .kv_cache import write_kv
+from .planning import StreamSchedule, UnitSchedule
 
 __version__ = "0.2.0"
 

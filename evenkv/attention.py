@@ -21,18 +21,18 @@ from typing import Protocol
 
 import torch
 
-from evenkv.kernels import decode_launch as launch
-from evenkv.kernels import extend_launch
+from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
                      check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
                      resolve_kv_dtype, resolve_sm_scale)
-from .configs import ExtendConfig, env_flag, extend_config, extend_configs, resolve_arch, sm_count
-from .decode import POLICIES, DecodeAttention, DecodePlan, debug_enabled
+from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
+from .decode_attention import POLICIES, DecodeAttention, DecodePlan
 from .errors import error_flag
-from .extend import (SCHEDULES, ExtendPlan, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
-                     plan_extend, run_extend)
+from .extend_attention import (SCHEDULES, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
+                               run_extend)
+from .planning import ExtendPlan, plan_extend
 
 
 class PrefillKernel(Protocol):
@@ -209,14 +209,14 @@ class Attention:
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
                    if self._extend_config is not None else extend_configs(self.arch, self.head_dim, self.group_size))
-        for block_b in launch.plan_block_buckets(self.max_batch_size):
+        for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
-                launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), page_table, self._errors,
-                                          1, self.page_size, self._audit_grid, warmup=True)
+                plan_launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), page_table, self._errors,
+                                               1, self.page_size, self._audit_grid, warmup=True)
         for config in configs:
             for dtype in index_dtypes:
                 lens = torch.zeros(1, dtype=dtype, device=dev)
-                extend_launch.launch_extend_plan(cu, lens, self._order, self._sorted_start, self._errors, req_begin=0,
+                plan_launch.launch_extend_plan(cu, lens, self._order, self._sorted_start, self._errors, req_begin=0,
                                                  max_q_len=1, group_size=self.group_size, block_m=config.block_m,
                                                  lpt=self.schedule == "lpt", warmup=True)
                 extend_launch.launch_extend(
@@ -334,8 +334,8 @@ class Attention:
                                   capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
         if self._audit_pending:
             num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else self.page_size)
-            launch.launch_audit_pages(plan.seq_lens, plan.page_table, self._errors, num_slots // self.page_size,
-                                      self.page_size, self._audit_grid)
+            plan_launch.launch_audit_pages(plan.seq_lens, plan.page_table, self._errors, num_slots // self.page_size,
+                                           self.page_size, self._audit_grid)
             self._audit_pending = False
         if plan.decode is not None:
             nd = plan.num_decodes

@@ -153,7 +153,7 @@ def check_page_table(page_table, batch: int, device: torch.device) -> torch.Tens
 
 def check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size,
                            max_pages_per_request) -> None:
-    """Constructor arguments shared by DecodeAttention and MixedAttention (head_dim is
+    """Constructor arguments shared by DecodeAttention and Attention (head_dim is
     checked by each, against the head dims its kernels support)."""
     check_positive_int("num_q_heads", num_q_heads)
     check_positive_int("num_kv_heads", num_kv_heads)

@@ -36,6 +36,11 @@ def env_flag(name: str, value: bool | None = None) -> bool:
     return value if value is not None else os.environ.get(name, "0") not in ("", "0")
 
 
+def debug_enabled(debug: bool | None) -> bool:
+    """Host-side data checks before each launch (syncs): an explicit ``debug``, else EVENKV_DEBUG."""
+    return env_flag("EVENKV_DEBUG", debug)
+
+
 def graph_capturing() -> bool:
     """True while the current CUDA stream records a graph (False on machines without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -136,20 +136,22 @@ def test_write_kv_debug_checks_slots(device, monkeypatch):
         evenkv.write_kv(kc, kc.clone(), new, new, torch.tensor([1, 32], device=device))
 
 
-LAUNCHERS = ("launch_plan_stream", "launch_decode_stream", "launch_merge_stream", "launch_decode_units",
-             "launch_merge_units", "launch_kv_write")
+LAUNCHERS = {"decode_launch": ("launch_decode_stream", "launch_merge_stream", "launch_decode_units",
+                               "launch_merge_units", "launch_kv_write"),
+             "plan_launch": ("launch_plan_stream", "launch_audit_pages")}
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
     """Any kernel launch fails the test: malformed input must be refused before launching."""
-    from evenkv.kernels import decode_launch
+    from evenkv import kernels
 
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel was launched for malformed input")
 
-    for name in LAUNCHERS:
-        monkeypatch.setattr(decode_launch, name, refuse)
+    for module, names in LAUNCHERS.items():
+        for name in names:
+            monkeypatch.setattr(getattr(kernels, module), name, refuse)
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.uint8]

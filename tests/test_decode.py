@@ -364,7 +364,7 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
 PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8), 8),
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
-    ("evenkv.kernels.extend:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
+    ("evenkv.kernels.plan:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
     ("evenkv.kernels.kv_write:kv_write_kernel",
      dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),
 ]

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenkv import Attention, ExtendConfig, errors, extend
-from evenkv.kernels import extend_launch
+from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.reference import decode_reference, extend_reference, kv_write_reference
 from evenkv.testing import GARBAGE_PAGE
 from helpers import TOLERANCE_FLOOR, aot_compile
@@ -238,7 +238,7 @@ def test_plan_matches_oracle(device, data):
     order = torch.full((batch,), -1, **i32)
     starts = torch.full((batch,), -1, **i32)
     errors = torch.zeros(1, **i32)
-    extend_launch.launch_extend_plan(cu, torch.tensor(seq_lens, **i32), order, starts, errors, req_begin=req_begin,
+    plan_launch.launch_extend_plan(cu, torch.tensor(seq_lens, **i32), order, starts, errors, req_begin=req_begin,
                                      max_q_len=max(q_lens), group_size=group, block_m=block_m, lpt=lpt)
     assert int(errors) == 0
     want_order, want_starts = plan_oracle(q_lens, seq_lens, req_begin, group, block_m, lpt)

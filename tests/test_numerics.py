@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import evenkv
-from evenkv.extend import ExtendConfig
+from evenkv.configs import ExtendConfig
 from evenkv.kernels.reference import decode_reference, extend_reference
 from helpers import TOLERANCE_FLOOR, lowp_decode
 

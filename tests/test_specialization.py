@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import evenkv
-from evenkv.decode import warmup_write_kv
+from evenkv.kv_cache import warmup_write_kv
 from evenkv.kernels import decode_launch, extend_launch
 
 

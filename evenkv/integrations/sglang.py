@@ -68,7 +68,7 @@ def create_backend(model_runner):
 def unsupported_reasons(model_runner) -> list[str]:
     """Every reason evenkv cannot serve ``model_runner``'s configuration ([] = supported)."""
     from evenkv.checks import PAGE_SIZES
-    from evenkv.decode import POLICIES
+    from evenkv.decode_attention import POLICIES
     from evenkv.checks import FP8_KV_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
     reasons = []

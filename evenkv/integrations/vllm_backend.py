@@ -270,7 +270,7 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         # Spec-verify rows (q_len > 1) are not decodes here; they go to the extend kernel.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         from evenkv.attention import Attention  # lazy: the plugin's register() stays light
-        from evenkv.decode import POLICIES
+        from evenkv.decode_attention import POLICIES
 
         model_config = vllm_config.model_config
         head_size = kv_cache_spec.head_size
@@ -434,7 +434,7 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key, value [T, Hkv, D] -> cache slots ``slot_mapping`` [N] (N <= T; -1 = padding, skipped)."""
-        from evenkv.decode import warmup_write_kv, write_kv
+        from evenkv.kv_cache import warmup_write_kv, write_kv
 
         if kv_cache.numel() == 0:  # the placeholder a layer holds before vLLM binds its cache
             return

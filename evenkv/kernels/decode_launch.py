@@ -16,14 +16,7 @@ from .decode import decode_stream_kernel, decode_units_kernel, merge_stream_kern
 from .kv_write import kv_write_kernel
 from .launching import launch_or_compile, score_scales
 from .numerics import FP8_Q_PRESCALE
-from .plan import audit_pages_kernel, plan_stream_kernel
 
-# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
-# chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
-# a few CTAs with a [CTAs, chunk] compare tile of at most PLAN_COMPARE_TILE elements, about
-# one program per SM (docs/tuning.md "Decode, the plan kernel").
-PLAN_MAX_BLOCK_B = 2048
-PLAN_COMPARE_TILE = 16384
 # A merge step's tile: [BLOCK_P partials, query rows, head-dim columns] of MERGE_TILE
 # elements, 32 fp32 per thread at MERGE_NUM_WARPS warps. merge_stream_kernel runs one
 # program per CTA boundary (one wave) and splits a segment of many pieces into items of one
@@ -85,54 +78,9 @@ def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_siz
                 EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
 
 
-def plan_block_b(batch_size: int) -> int:
-    """The plan kernel's batch chunk: the batch rounded up to a power of two, 128 to PLAN_MAX_BLOCK_B."""
-    return min(max(triton.next_power_of_2(batch_size), 128), PLAN_MAX_BLOCK_B)
-
-
-def plan_block_buckets(max_batch_size: int) -> list[int]:
-    """Every ``plan_block_b`` a batch of 1 .. max_batch_size requests can take."""
-    return sorted({plan_block_b(min(1 << k, max_batch_size)) for k in range(max_batch_size.bit_length() + 1)})
-
-
-def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors,
-                       capacity: int, window: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
-                       warmup: bool = False):
-    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32;
-    window: sliding window W, 0 for none.
-
-    The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
-    built at start-up (``Attention.warmup``). Each program answers
-    ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
-    would pass PLAN_COMPARE_TILE elements."""
-    block_b = plan_block_b(seq_lens.shape[0])
-    block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
-    return launch_or_compile(
-        plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
-        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, window,
-        num_ctas,
-        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c,
-        num_warps=8 if block_b >= 1024 else 4)
-
-
 def _cache_strides(q, k_cache, v_cache, out, page_table):
     return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), page_table.stride(0))
-
-
-# The page audit checks the used entries in loads of AUDIT_BLOCK_E.
-AUDIT_BLOCK_E = 256
-
-
-def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int, window: int = 0,
-                       warmup: bool = False):
-    """seq_lens [B] int32/int64, page_table [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors
-    [1] int32 if a used entry (of a sliding window's tokens, ``window`` > 0) lies outside [0,
-    num_pages) (see ``audit_pages_kernel``)."""
-    return launch_or_compile(
-        audit_pages_kernel, (grid,), warmup,
-        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
-        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]), BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
 
 
 @dataclass(frozen=True)

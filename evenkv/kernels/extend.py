@@ -56,75 +56,7 @@ import triton.language as tl
 
 from .error_bits import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
 from .numerics import LOG2E, dot, dot_acc, narrow, soft_cap
-
-@triton.jit(do_not_specialize=["batch_size", "req_begin", "max_q_len"])
-def extend_plan_kernel(
-    cu_seqlens_ptr, seq_lens_ptr, order_ptr, sorted_start_ptr, error_ptr,
-    batch_size, req_begin, max_q_len,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-):
-    """Order the requests and give each its first query-block index, with no host sync.
-
-    A request's key is its seq_len (LPT) or 0 (request order); requests with no
-    blocks (q_len 0, or index < req_begin: rows another kernel handles) get key -1
-    and go last. Query lengths are clamped to [0, max_q_len] (the grid's bound) as the
-    extend kernel clamps them; one outside sets QUERY_OUT_OF_RANGE. Request i precedes j when key_i > key_j, or the keys tie and i < j.
-    Program p ranks requests [p*BLOCK_I, (p+1)*BLOCK_I) by counting predecessors
-    (a BLOCK_I x BLOCK_J compare tile per step), and writes
-    ``order[rank_i] = i`` and ``sorted_start[rank_i] = sum of predecessors' blocks``.
-
-    Worked example (G = 1, BLOCK_M = 16, LPT): q_lens [40, 0, 10], seq_lens
-    [40, 5, 90] -> blocks [3, 0, 1], keys [40, -1, 90] -> order [2, 0, 1],
-    sorted_start [0, 1, 4].
-    """
-    pid = tl.program_id(0)
-    offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < batch_size
-    key_i, _blocks_i, bad_i = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_i, mask_i, req_begin, max_q_len, G,
-                                           BLOCK_M, LPT)
-    if tl.sum(bad_i.to(tl.int32), 0) > 0:
-        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
-    rank = tl.zeros([BLOCK_I], tl.int32)
-    start = tl.zeros([BLOCK_I], tl.int32)
-    for j0 in range(0, batch_size, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        mask_j = offs_j < batch_size
-        key_j, blocks_j, _bad_j = _request_key(cu_seqlens_ptr, seq_lens_ptr, offs_j, mask_j, req_begin, max_q_len, G,
-                                               BLOCK_M, LPT)
-        before = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
-        before = before & mask_j[None, :]
-        rank += tl.sum(before.to(tl.int32), 1)
-        start += tl.sum(tl.where(before, blocks_j[None, :], 0), 1)
-    tl.store(order_ptr + rank, offs_i, mask=mask_i)
-    tl.store(sorted_start_ptr + rank, start, mask=mask_i)
-
-
-@triton.jit
-def _request_key(cu_seqlens_ptr, seq_lens_ptr, offs, mask, req_begin, max_q_len,
-                 G: tl.constexpr, BLOCK_M: tl.constexpr, LPT: tl.constexpr):
-    """(key, query blocks, whether the query range needed a clamp) of requests ``offs``."""
-    extend = offs >= req_begin
-    _, q_len, bad = _query_range(cu_seqlens_ptr, offs, mask, max_q_len)
-    blocks = tl.where(extend, tl.cdiv(q_len * G, BLOCK_M), 0)
-    bad = bad & extend
-    if LPT:
-        key = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int32)
-    else:
-        key = tl.zeros_like(blocks)
-    key = tl.where(blocks > 0, key, -1)
-    return key, blocks, bad
-
-
-@triton.jit
-def _query_range(cu_seqlens_ptr, b, mask, max_q_len):
-    """(first row, q_len, needed a clamp) of requests ``b``, q_len clamped to [0, max_q_len]
-    (the plan and the extend kernel count a request's blocks from this q_len)."""
-    q_begin = tl.load(cu_seqlens_ptr + b, mask=mask, other=0)
-    raw_len = tl.load(cu_seqlens_ptr + b + 1, mask=mask, other=0) - q_begin
-    q_len = tl.minimum(tl.maximum(raw_len, 0), max_q_len)
-    bad = mask & ((q_len != raw_len) | (q_begin < 0))
-    return q_begin, q_len.to(tl.int32), bad
+from .plan import query_range
 
 
 @triton.jit
@@ -336,7 +268,7 @@ def extend_kernel(
     b = tl.load(order_ptr + r)
     local = x - tl.load(sorted_start_ptr + r)
     # The plan kernel's clamp, so both count the same blocks; then the rows kept inside q.
-    q_first, q_len, _ = _query_range(cu_seqlens_ptr, b, b < batch_size, max_q_len)
+    q_first, q_len, _ = query_range(cu_seqlens_ptr, b, b < batch_size, max_q_len)
     n_blocks = tl.where(b >= req_begin, tl.cdiv(q_len * G, BLOCK_M), 0)
     q_begin = tl.minimum(tl.maximum(q_first, 0), total_q).to(tl.int32)
     rows_inside = tl.minimum(q_len, total_q - q_begin)

@@ -11,13 +11,9 @@ import triton
 
 from evenkv.checks import FP8_KV_DTYPES
 
-from .extend import extend_kernel, extend_plan_kernel
+from .extend import extend_kernel
 from .launching import launch_or_compile, score_scales
 
-# The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
-# time (a [64, 128] compare tile per step).
-PLAN_BLOCK_I = 64
-PLAN_BLOCK_J = 128
 # The extend kernel counts sorted starts in chunks of this many requests (fixed, so the
 # batch size never triggers a recompile; larger batches loop).
 SEARCH_BLOCK = 256
@@ -32,17 +28,6 @@ def num_query_blocks_bound(total_q: int, batch_size: int, max_q_len: int, group_
     by_total = (total_q * group_size) // block_m + batch_size
     by_max = batch_size * triton.cdiv(max_q_len * group_size, block_m)
     return max(0, min(by_total, by_max))
-
-
-def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, req_begin: int, max_q_len: int,
-                       group_size: int, block_m: int, lpt: bool, warmup: bool = False):
-    """cu_seqlens_q [B+1], seq_lens [B] -> order [B] int32, sorted_start [B] int32 (see the
-    kernel); errors [1] int32."""
-    batch = seq_lens.shape[0]
-    return launch_or_compile(
-        extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup,
-        cu_seqlens_q, seq_lens, order, sorted_start, errors, batch, req_begin, max_q_len,
-        G=group_size, BLOCK_M=block_m, LPT=lpt, BLOCK_I=PLAN_BLOCK_I, BLOCK_J=PLAN_BLOCK_J, num_warps=4)
 
 
 def cache_strides(cache, page_size: int) -> tuple[int, int, int]:

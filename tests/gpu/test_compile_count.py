@@ -12,7 +12,7 @@ import torch
 import triton
 
 import evenkv
-from evenkv.decode import warmup_write_kv
+from evenkv.kv_cache import warmup_write_kv
 from test_specialization import _tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]

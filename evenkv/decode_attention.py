@@ -17,25 +17,22 @@ import dataclasses
 import torch
 
 from evenkv.kernels import decode_launch as launch
+from evenkv.kernels import plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout,
-                     check_batch_limits, check_fp8_capable, check_kv_scale, check_page_table, check_policy, check_positive_int, check_sinks,
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
+                     check_fp8_capable, check_kv_scale, check_page_table, check_policy, check_positive_int, check_sinks,
                      check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
-from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, decode_config, env_flag, is_interpreter,
+from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
                       many_segments_config, resolve_arch, sm_count)
 from .errors import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, error_flag
-from .schedule import (DecodePlan, StreamSchedule, UnitSchedule, deterministic_unit_capacity, fa3_unit_capacity,
+from .planning import (DecodePlan, StreamSchedule, UnitSchedule, deterministic_unit_capacity, fa3_unit_capacity,
                        plan_chunked_units, plan_fa3_units)
 
 POLICIES = ("balanced", "fa3", "none")
 # Resident CTAs per (fake) SM under the interpreter.
 INTERPRETER_CTAS_PER_SM = 2
-
-
-def debug_enabled(debug: bool | None) -> bool:
-    return env_flag("EVENKV_DEBUG", debug)
 
 
 class DecodeAttention:
@@ -50,7 +47,7 @@ class DecodeAttention:
             interpreter, ``TRITON_INTERPRET=1``).
         max_batch_size: largest B that ``plan`` accepts; sizes the workspaces.
         max_pages_per_request: largest page-table width ``plan`` accepts.
-        policy: ``"balanced"`` (default), ``"fa3"`` or ``"none"`` (``evenkv.schedule``).
+        policy: ``"balanced"`` (default), ``"fa3"`` or ``"none"`` (``evenkv.planning``).
         sm_scale: default softmax scale of ``run``, 1/sqrt(D) if None.
         arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
         num_ctas: persistent grid size; default SM count x resident CTAs per SM.
@@ -240,15 +237,15 @@ class DecodeAttention:
         with parallel_compiles():
             for config, ctas in configs:
                 self._compile(config, t, merge=True)
-            for block_b in launch.plan_block_buckets(self.max_batch_size):
+            for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
                 for dtype in index_dtypes:
                     lens = torch.zeros(block_b, dtype=dtype, device=self.device)
-                    launch.launch_audit_pages(lens, t["page_table"], self._errors, 1, self.page_size, self.num_sms,
-                                              self.sliding_window or 0, warmup=True)
+                    plan_launch.launch_audit_pages(lens, t["page_table"], self._errors, 1, self.page_size, self.num_sms,
+                                                   self.sliding_window or 0, warmup=True)
                     for config, ctas in configs if self._kind == "stream" else []:
-                        launch.launch_plan_stream(lens, self._plan_seq_lens, s.active_req, s.cta_start,
-                                                  s.plan_scalars, self._errors, 1, self.sliding_window or 0, ctas,
-                                                  self.num_sms, self.num_kv_heads, config.block_n, warmup=True)
+                        plan_launch.launch_plan_stream(lens, self._plan_seq_lens, s.active_req, s.cta_start,
+                                                       s.plan_scalars, self._errors, 1, self.sliding_window or 0, ctas,
+                                                       self.num_sms, self.num_kv_heads, config.block_n, warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
@@ -277,9 +274,9 @@ class DecodeAttention:
         schedule = self._schedule
         if batch > 0 and self._kind == "stream":
             schedule = self._grid_schedules[ctas]
-            launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
-                                      schedule.plan_scalars, self._errors, capacity, self.sliding_window or 0, ctas,
-                                      self.num_sms, self.num_kv_heads, config.block_n)
+            plan_launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
+                                           schedule.plan_scalars, self._errors, capacity, self.sliding_window or 0, ctas,
+                                           self.num_sms, self.num_kv_heads, config.block_n)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
@@ -346,8 +343,8 @@ class DecodeAttention:
     def audit_pages(self, seq_lens: torch.Tensor, page_table: torch.Tensor, num_slots: int) -> None:
         """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
         slots in the error flag (the kernels never dereference them)."""
-        launch.launch_audit_pages(seq_lens, page_table, self._errors, num_slots // self.page_size, self.page_size,
-                                  self.num_sms, self.sliding_window or 0)
+        plan_launch.launch_audit_pages(seq_lens, page_table, self._errors, num_slots // self.page_size, self.page_size,
+                                       self.num_sms, self.sliding_window or 0)
         self._audit_pending = False
 
     def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, terms: launch.LayerTerms) -> torch.Tensor:
@@ -434,49 +431,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
                     v_scale=v_scale)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-             slot_mapping: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Scatter new tokens into the paged cache, in place.
-
-    k_cache, v_cache: [num_slots, Hkv, D] (unit stride in D), float16/bfloat16 or
-    float8_e4m3fn; k_new, v_new: [N, Hkv, D] (float16/bfloat16/float32, cast to the cache's;
-    an FP8 cache stores new / k_scale and new / v_scale, saturated to +-448 and rounded to
-    nearest even); slot_mapping: [N] int32/int64, slot of each token, negative = skip
-    (padding). A slot >= num_slots is not written and sets the device's error flag
-    (``evenkv.check_errors``); with EVENKV_DEBUG=1 slots are checked on the host first.
-    """
-    check_tensor("k_cache", k_cache, shape=(None, None, None), dtypes=SUPPORTED_DTYPES + FP8_KV_DTYPES,
-                 last_dim_contiguous=True)
-    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
-    if k_cache.dtype not in FP8_KV_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
-        raise ValueError(f"k_scale, v_scale: a {k_cache.dtype} cache holds real values, so both scales must be 1.0; "
-                         f"got {k_scale} and {v_scale}")
-    dev, (num_slots, hkv, d) = resolve_device(k_cache.device), k_cache.shape
-    check_tensor("v_cache", v_cache, shape=(num_slots, hkv, d), dtypes=(k_cache.dtype,), device=dev,
-                 last_dim_contiguous=True)
-    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtypes=INDEX_DTYPES, device=dev)
-    n = slot_mapping.shape[0]
-    check_tensor("k_new", k_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
-                 last_dim_contiguous=True)
-    check_tensor("v_new", v_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
-                 last_dim_contiguous=True)
-    if n == 0:
-        return
-    if debug_enabled(None):
-        hi = int(slot_mapping.max())
-        if hi >= num_slots:
-            raise ValueError(f"slot_mapping: expected slots < num_slots={num_slots}, got {hi}")
-    launch.launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, error_flag(dev), k_scale, v_scale)
-
-
-def warmup_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    index_dtypes: tuple = INDEX_DTYPES) -> None:
-    """Compile, without running, ``write_kv``'s kernel for tensors laid out like these
-    (``write_kv``'s shapes), for slot mappings of each dtype in ``index_dtypes``."""
-    dev = resolve_device(k_cache.device)
-    for dtype in index_dtypes:
-        launch.launch_kv_write(k_cache, v_cache, k_new, v_new, torch.zeros(1, dtype=dtype, device=dev),
-                               error_flag(dev), warmup=True)
-
-
-__all__ = ["DecodeAttention", "DecodePlan", "decode", "write_kv", "warmup_write_kv", "POLICIES"]
+__all__ = ["DecodeAttention", "DecodePlan", "decode", "POLICIES"]

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import DecodeConfig
+from evenkv.kernels import plan_launch
+
+from .configs import DecodeConfig, ExtendConfig
+from .errors import error_flag
 
 # FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
@@ -175,3 +178,52 @@ def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, 
     sched.unit_req.copy_(order[rank])
     sched.unit_split.copy_(j - split_begin[rank])
     sched.num_units.copy_(split_end[-1:] * num_kv_heads)
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """What ``run_extend`` executes: one batch's request order and block offsets.
+
+    batch_size: B (host int). req_begin: requests [0, req_begin) are skipped (decode
+    rows another kernel handles). max_q_len: host upper bound of q lengths.
+    cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]: the caller's tensors.
+    order [B] int32: requests in execution order (LPT: by decreasing seq_len).
+    sorted_start [B] int32: first query-block index of order[r]; non-decreasing from 0.
+    errors [1] int32: the device's error flag (``evenkv.errors``).
+    """
+
+    batch_size: int
+    req_begin: int
+    max_q_len: int
+    page_size: int
+    group_size: int
+    schedule: str
+    config: ExtendConfig
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    order: torch.Tensor
+    sorted_start: torch.Tensor
+    errors: torch.Tensor
+
+
+def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *, page_size: int,
+                group_size: int, max_q_len: int, config: ExtendConfig, schedule: str = "lpt", req_begin: int = 0,
+                order: torch.Tensor | None = None, sorted_start: torch.Tensor | None = None) -> ExtendPlan:
+    """Order the batch for the extend kernel (one tiny GPU kernel, no host sync).
+
+    Inputs are assumed validated (``extend`` / ``Attention.plan`` do it).
+    order / sorted_start: optional preallocated int32 buffers of at least B entries.
+    """
+    batch = seq_lens.shape[0]
+    dev = seq_lens.device
+    order = order[:batch] if order is not None else torch.empty(batch, dtype=torch.int32, device=dev)
+    sorted_start = (sorted_start[:batch] if sorted_start is not None
+                    else torch.empty(batch, dtype=torch.int32, device=dev))
+    errors = error_flag(dev)
+    if batch > 0:
+        plan_launch.launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, req_begin=req_begin,
+                                       max_q_len=max_q_len, group_size=group_size, block_m=config.block_m,
+                                       lpt=schedule == "lpt")
+    return ExtendPlan(batch, req_begin, max_q_len, page_size, group_size, schedule, config, cu_seqlens_q, seq_lens,
+                      page_table, order, sorted_start, errors)

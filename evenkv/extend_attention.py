@@ -13,71 +13,20 @@ plan buffers (and ``out`` unless given) on each call: serving code keeps an
 under graphs.
 """
 
-from dataclasses import dataclass
 
 import torch
 
-from evenkv.kernels import decode_launch
+from evenkv.kernels import plan_launch
 from evenkv.kernels import extend_launch as launch
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_fp8_capable,
                      check_kv_scale,
                      check_page_table, check_positive_int, check_sinks, check_tensor, normalize_logit_cap,
                      normalize_window, output_like, resolve_device, resolve_sm_scale)
-from .configs import ExtendConfig, extend_config, resolve_arch, sm_count
-from .decode import debug_enabled
-from .errors import error_flag
+from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
+from .planning import ExtendPlan, plan_extend
 
 SCHEDULES = ("lpt", "ordered")
-
-
-@dataclass(frozen=True)
-class ExtendPlan:
-    """What ``run_extend`` executes: one batch's request order and block offsets.
-
-    batch_size: B (host int). req_begin: requests [0, req_begin) are skipped (decode
-    rows another kernel handles). max_q_len: host upper bound of q lengths.
-    cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]: the caller's tensors.
-    order [B] int32: requests in execution order (LPT: by decreasing seq_len).
-    sorted_start [B] int32: first query-block index of order[r]; non-decreasing from 0.
-    errors [1] int32: the device's error flag (``evenkv.errors``).
-    """
-
-    batch_size: int
-    req_begin: int
-    max_q_len: int
-    page_size: int
-    group_size: int
-    schedule: str
-    config: ExtendConfig
-    cu_seqlens_q: torch.Tensor
-    seq_lens: torch.Tensor
-    page_table: torch.Tensor
-    order: torch.Tensor
-    sorted_start: torch.Tensor
-    errors: torch.Tensor
-
-
-def plan_extend(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *, page_size: int,
-                group_size: int, max_q_len: int, config: ExtendConfig, schedule: str = "lpt", req_begin: int = 0,
-                order: torch.Tensor | None = None, sorted_start: torch.Tensor | None = None) -> ExtendPlan:
-    """Order the batch for the extend kernel (one tiny GPU kernel, no host sync).
-
-    Inputs are assumed validated (``extend`` / ``Attention.plan`` do it).
-    order / sorted_start: optional preallocated int32 buffers of at least B entries.
-    """
-    batch = seq_lens.shape[0]
-    dev = seq_lens.device
-    order = order[:batch] if order is not None else torch.empty(batch, dtype=torch.int32, device=dev)
-    sorted_start = (sorted_start[:batch] if sorted_start is not None
-                    else torch.empty(batch, dtype=torch.int32, device=dev))
-    errors = error_flag(dev)
-    if batch > 0:
-        launch.launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, req_begin=req_begin,
-                                  max_q_len=max_q_len, group_size=group_size, block_m=config.block_m,
-                                  lpt=schedule == "lpt")
-    return ExtendPlan(batch, req_begin, max_q_len, page_size, group_size, schedule, config, cu_seqlens_q, seq_lens,
-                      page_table, order, sorted_start, errors)
 
 
 def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -272,10 +221,10 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
                        max_q_len=max_q_len, config=config, schedule=schedule)
     num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else page_size)
-    decode_launch.launch_audit_pages(seq_lens, page_table, plan.errors, num_slots // page_size, page_size,
+    plan_launch.launch_audit_pages(seq_lens, page_table, plan.errors, num_slots // page_size, page_size,
                                      sm_count(dev))
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
-__all__ = ["extend", "ExtendPlan", "plan_extend", "run_extend", "SCHEDULES"]
+__all__ = ["extend", "run_extend", "SCHEDULES"]

@@ -1,0 +1,79 @@
+"""Thin launchers for the planning kernels (``evenkv.kernels.plan``): the balanced decode
+plan, the page audit and the extend plan.
+
+Each launcher sizes the grid, passes compile-time constants and launches; it does not
+validate and it allocates nothing.
+"""
+
+import triton
+
+from .launching import launch_or_compile
+from .plan import audit_pages_kernel, extend_plan_kernel, plan_stream_kernel
+
+# The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
+# chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
+# a few CTAs with a [CTAs, chunk] compare tile of at most PLAN_COMPARE_TILE elements, about
+# one program per SM (docs/tuning.md "Decode, the plan kernel").
+PLAN_MAX_BLOCK_B = 2048
+PLAN_COMPARE_TILE = 16384
+# The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
+# time (a [64, 128] compare tile per step).
+PLAN_BLOCK_I = 64
+PLAN_BLOCK_J = 128
+
+
+def plan_block_b(batch_size: int) -> int:
+    """The plan kernel's batch chunk: the batch rounded up to a power of two, 128 to PLAN_MAX_BLOCK_B."""
+    return min(max(triton.next_power_of_2(batch_size), 128), PLAN_MAX_BLOCK_B)
+
+
+def plan_block_buckets(max_batch_size: int) -> list[int]:
+    """Every ``plan_block_b`` a batch of 1 .. max_batch_size requests can take."""
+    return sorted({plan_block_b(min(1 << k, max_batch_size)) for k in range(max_batch_size.bit_length() + 1)})
+
+
+def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors,
+                       capacity: int, window: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
+                       warmup: bool = False):
+    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32;
+    window: sliding window W, 0 for none.
+
+    The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
+    built at start-up (``Attention.warmup``). Each program answers
+    ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
+    would pass PLAN_COMPARE_TILE elements."""
+    block_b = plan_block_b(seq_lens.shape[0])
+    block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
+    return launch_or_compile(
+        plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
+        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, window,
+        num_ctas,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c,
+        num_warps=8 if block_b >= 1024 else 4)
+
+
+# The page audit checks the used entries in loads of AUDIT_BLOCK_E.
+AUDIT_BLOCK_E = 256
+
+
+def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int, window: int = 0,
+                       warmup: bool = False):
+    """seq_lens [B] int32/int64, page_table [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors
+    [1] int32 if a used entry (of a sliding window's tokens, ``window`` > 0) lies outside [0,
+    num_pages) (see ``audit_pages_kernel``)."""
+    return launch_or_compile(
+        audit_pages_kernel, (grid,), warmup,
+        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
+        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]),
+        BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
+
+
+def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, req_begin: int, max_q_len: int,
+                       group_size: int, block_m: int, lpt: bool, warmup: bool = False):
+    """cu_seqlens_q [B+1], seq_lens [B] -> order [B] int32, sorted_start [B] int32 (see the
+    kernel); errors [1] int32."""
+    batch = seq_lens.shape[0]
+    return launch_or_compile(
+        extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup,
+        cu_seqlens_q, seq_lens, order, sorted_start, errors, batch, req_begin, max_q_len,
+        G=group_size, BLOCK_M=block_m, LPT=lpt, BLOCK_I=PLAN_BLOCK_I, BLOCK_J=PLAN_BLOCK_J, num_warps=4)
