@@ -15,7 +15,7 @@ import torch
 
 import evenkv
 from evenkv.kv_cache import warmup_write_kv
-from evenkv.kernels import decode_launch, extend_launch
+from evenkv.kernels import decode_launch, extend_launch, plan_launch
 
 
 def specialization_key(kernel, args, kwargs) -> tuple:
@@ -62,6 +62,7 @@ def recorder(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(decode_launch, "launch_or_compile", rec)
     monkeypatch.setattr(extend_launch, "launch_or_compile", rec)
+    monkeypatch.setattr(plan_launch, "launch_or_compile", rec)
     return rec
 
 
