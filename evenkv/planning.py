@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from evenkv.kernels import plan_launch
+from evenkv.kernels.decode_launch import QueryRows
 
 from .configs import DecodeConfig, ExtendConfig
 from .errors import error_flag
@@ -50,13 +51,19 @@ DETERMINISTIC_MIN_CHUNK_TOKENS = 512
 DETERMINISTIC_MAX_SPLITS = 128
 
 
+# plan_scalars of the balanced plan: piece, total, active requests, the most tiles of one
+# segment, the end of the last query row.
+PLAN_SCALARS = 5
+
+
 @dataclass(frozen=True)
 class StreamSchedule:
-    """``balanced`` plan over num_ctas CTAs. active_req [B, 2] int32 (non-empty requests in
-    order: batch index, clamped length); cta_start [>= num_ctas, 4] int32 (row c: the request
-    CTA c starts in: its index into active_req, batch index, length, cost start; the buffer
-    is sized for the larger of the backend's grids); plan_scalars [4] int32 (piece, total,
-    active count, the most tiles of one segment: a sliding window counts its own)."""
+    """``balanced`` plan over num_ctas CTAs. active_req [B, 4] int32 (non-empty requests in
+    order: batch index, clamped length, first q row, q_len); cta_start [>= num_ctas, 4] int32
+    (row c: the request CTA c starts in: its index into active_req, batch index, length, cost
+    start; the buffer is sized for the largest of the object's grids); plan_scalars
+    [PLAN_SCALARS] int32 (piece, total, active count, the most tiles of one segment: a
+    sliding window counts its own; the end of the last query row)."""
 
     active_req: torch.Tensor
     cta_start: torch.Tensor
@@ -93,6 +100,10 @@ class DecodePlan:
     page_table: [B, max_pages] int32, the caller's tensor (its address is used at run).
     schedule: StreamSchedule (balanced), UnitSchedule (fa3, deterministic) or None (none).
     config: the DecodeConfig the batch runs with (``DecodeAttention.launch_config``).
+    cu_seqlens_q: [B + 1] int32, the requests' query rows (q row b for plain decode).
+    tree_mask: [>= total_q] int32 tree masks, or a [1] placeholder (query.tree says which).
+    query: the rows' shape as the kernels take it (``decode_launch.QueryRows``).
+    q_len: host int, the most query tokens of one request.
     The schedule lives in the planning object's buffers, so a plan is valid until that
     object plans again; ``run`` refuses an older plan.
     """
@@ -102,6 +113,32 @@ class DecodePlan:
     page_table: torch.Tensor
     schedule: StreamSchedule | UnitSchedule | None
     config: DecodeConfig
+    cu_seqlens_q: torch.Tensor
+    tree_mask: torch.Tensor
+    query: QueryRows
+    q_len: int
+
+
+def decode_query_lens(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int,
+                      multi_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_len [B], malformed [B] bool) of decode requests from cu_seqlens_q [B + 1] and clamped
+    seq_lens [B], as the kernels clamp them (``kernels.plan.decode_query_rows``): rows of several
+    query tokens take q_len in [0, min(max_q_len, seq_len)] (up to max_q_len for padding rows,
+    seq_len 0); plain decode rows one token. GPU ops only."""
+    start = cu_seqlens_q[:-1]
+    raw = cu_seqlens_q[1:] - start
+    if not multi_q:
+        return torch.ones_like(raw), (raw > 1) | (raw < 0)
+    cap = torch.where(seq_lens > 0, seq_lens.clamp(max=max_q_len), max_q_len)
+    q_lens = torch.where(start >= 0, torch.minimum(raw.clamp(min=0), cap), 0)
+    return q_lens, (q_lens != raw) | (start < 0)
+
+
+def visible_keys(seq_lens: torch.Tensor, q_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B]: the keys a decode row reads as a whole: all of its clamped seq_len, or with a sliding
+    window W the last W + q_len - 1 (``kernels.plan.row_window``); none for a row of no query."""
+    visible = seq_lens if window is None else torch.minimum(seq_lens, window + q_lens.clamp(min=1) - 1)
+    return torch.where(q_lens > 0, visible, 0)
 
 
 def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:

@@ -14,13 +14,32 @@ def cdiv(a, b):
     return -(-np.asarray(a, dtype=np.int64) // b)
 
 
-def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n):
-    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_start [C, 4], piece, total, max_tiles).
+def query_rows(cu_seqlens_q, lens, max_q_len):
+    """(first q row, q_len, malformed) of verify rows from cu_seqlens_q [B + 1] and clamped
+    lens: q_len clamped to [0, min(max_q_len, len)] (up to max_q_len for len 0), 0 for a row
+    starting before row 0; None cu_seqlens_q = plain decode (q row b, one token)."""
+    if cu_seqlens_q is None:
+        b = np.arange(len(lens), dtype=np.int64)
+        return b, np.ones_like(b), np.zeros(len(lens), dtype=bool)
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    start, raw = cu[:-1], cu[1:] - cu[:-1]
+    cap = np.where(lens > 0, np.minimum(max_q_len, lens), max_q_len)
+    q_len = np.where(start >= 0, np.minimum(np.maximum(raw, 0), cap), 0)
+    return start, q_len, (q_len != raw) | (start < 0)
+
+
+def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, cu_seqlens_q=None, max_q_len=1, window=0):
+    """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_start [C, 4], piece, total, max_tiles,
+    q_start [B], q_len [B], rows_end, malformed).
 
     cta_start[c] = (k, b, seq_lens[b], req_cost_start[b]) for b = active_req[k], the first
-    request whose cost range ends after c * piece; (K, B, 0, total) past the end."""
+    request whose cost range ends after c * piece; (K, B, 0, total) past the end. Verify rows
+    (cu_seqlens_q given) cost the tiles of the keys their tokens see together: all of them,
+    or under a window W the last W + q_len - 1; none when q_len is 0."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
-    tiles = cdiv(lens, block_n)
+    q_start, q_len, malformed = query_rows(cu_seqlens_q, lens, max_q_len)
+    visible = np.minimum(lens, window + np.maximum(q_len, 1) - 1) if window else lens
+    tiles = np.where(q_len > 0, cdiv(visible, block_n), 0)
     cost = tiles * num_kv_heads
     end = np.cumsum(cost)
     total = int(end[-1]) if len(end) else 0
@@ -33,9 +52,11 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n):
         k = int(np.sum(end[active] <= s))
         b = int(active[k]) if k < len(active) else len(lens)
         cta_start.append((k, b, int(lens[b]) if b < len(lens) else 0, int(req_cost_start[b])))
+    rows_end = int(np.max(np.where(q_len > 0, q_start + q_len, 0))) if len(lens) else 0
     return dict(seq_lens=lens, req_cost_start=req_cost_start, active_req=active,
                 cta_start=np.array(cta_start, dtype=np.int64).reshape(num_ctas, 4), piece=piece, total=total,
-                max_tiles=int(tiles.max()) if len(tiles) else 0)
+                max_tiles=int(tiles.max()) if len(tiles) else 0, q_start=q_start, q_len=q_len, rows_end=rows_end,
+                malformed=malformed, tiles=tiles, multi_q=cu_seqlens_q is not None)
 
 
 def fa3_plan(seq_lens, capacity, num_sms, num_kv_heads, block_n, unit_capacity):
@@ -95,7 +116,7 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n):
         mine = []
         while pos < end:
             b = int(active[k])
-            n = int(cdiv(lens[b], block_n))
+            n = int(plan["tiles"][b])
             h = (pos - int(start[b])) // n
             seg_lo = int(start[b]) + h * n
             t0, t1 = max(pos - seg_lo, 0), min(end - seg_lo, n)
@@ -118,8 +139,7 @@ def stream_merge_reads(plan, num_kv_heads, block_n):
     on CTAs first .. last; CTA c's piece is at slot 2c + (c == first)."""
     reads = {}
     piece = plan["piece"]
-    for b, n_tok in enumerate(plan["seq_lens"]):
-        n = int(cdiv(n_tok, block_n))
+    for b, n in enumerate(plan["tiles"].tolist()):
         if n == 0:
             continue
         for h in range(num_kv_heads):
@@ -139,7 +159,7 @@ def stream_fused_merges(reads, fused_pieces):
 def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, consts):
     """What each program j of merge_stream_kernel merges (its selection and sharing rule,
     for the step shapes in ``consts``, from ``merge_stream_constants``):
-    {(b, h): [(j, row, first column, end column)]}."""
+    {(b, h): [(j, row, first column, end column)]}; a segment has G rows per query token."""
     piece, active, cta_start = plan["piece"], plan["active_req"], plan["cta_start"]
     group, head_dim = consts["G"], consts["HEAD_DIM"]
     shares = {}
@@ -149,7 +169,8 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, con
         x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
         if k >= len(active):
             continue
-        n = int(cdiv(seq_len, block_n))
+        n = int(plan["tiles"][b])
+        rows = group * int(plan["q_len"][b]) if plan["multi_q"] else group
         h = (x - req_lo) // n
         first_tile = req_lo + h * n
         first_cta = first_tile // piece
@@ -160,11 +181,11 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, con
         mine = shares.setdefault((b, h), [])
         if pieces <= consts["WHOLE_P"]:
             if t == 0:
-                mine += [(j, row, 0, head_dim) for row in range(group)]
+                mine += [(j, row, 0, head_dim) for row in range(rows)]
         elif pieces <= consts["ROW_P"]:
-            mine += [(j, row, 0, head_dim) for row in range(t, group, helpers)]
+            mine += [(j, row, 0, head_dim) for row in range(t, rows, helpers)]
         else:
             chunk, chunks = consts["CHUNK_D"], consts["D_CHUNKS"]
             mine += [(j, item // chunks, item % chunks * chunk, min(item % chunks * chunk + chunk, head_dim))
-                     for item in range(t, group * chunks, helpers)]
+                     for item in range(t, rows * chunks, helpers)]
     return shares

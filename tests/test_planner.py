@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, merge_stream_constants
+from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants
 from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
                             stream_merge_shares, stream_plan)
 
@@ -18,26 +18,44 @@ BLOCK_N = evenkv.decode_config("sm90", 128, 16).block_n
 MERGE_SHAPES = [(8, 128), (7, 80), (2, 256), (1, 32), (16, 128)]
 
 
-def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64):
+def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64, max_q_len=1, window=None):
     return evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, page_size, torch.float16, device,
-                                  max_batch, max_pages, policy, num_ctas=num_ctas)
+                                  max_batch, max_pages, policy, num_ctas=num_ctas, max_q_len=max_q_len,
+                                  sliding_window=window)
 
 
-def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16):
-    attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages)
+def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16, cu=None, q_len=1, window=None):
+    """The balanced plan of ``lens`` (verify rows of up to q_len tokens where cu is given)
+    equals the oracle's, field by field."""
+    attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages,
+                 max_q_len=q_len, window=window)
     seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     page_table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=device)
-    plan = attn.plan(seq_lens, page_table)
-    cfg = attn.config
-    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    errors = evenkv.errors.error_flag(device)
+    errors.zero_()
+    plan = attn.plan(seq_lens, page_table, cu_seqlens_q=cu_t, q_len=q_len)
+    cfg = plan.config
+    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cu, q_len, window or 0)
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
     active = s.active_req[:len(want["active_req"])].cpu().numpy()
     np.testing.assert_array_equal(active[:, 0], want["active_req"])
     np.testing.assert_array_equal(active[:, 1], want["seq_lens"][want["active_req"]])
+    np.testing.assert_array_equal(active[:, 2], want["q_start"][want["active_req"]])
+    np.testing.assert_array_equal(active[:, 3], want["q_len"][want["active_req"]])
     np.testing.assert_array_equal(s.cta_start.cpu().numpy(), want["cta_start"])
-    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"]]
+    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"],
+                                             want["rows_end"]]
+    malformed = bool(want["malformed"].any())
+    assert (evenkv.errors.QUERY_OUT_OF_RANGE in _flag_bits(device)) == malformed
+    errors.zero_()
     return want, cfg
+
+
+def _flag_bits(device) -> set:
+    bits = int(evenkv.errors.error_flag(device).item())
+    return {bit for bit in evenkv.errors.REASONS if bits & bit}
 
 
 def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
@@ -48,8 +66,8 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         for b, h, t0, t1 in mine:
             for t in range(t0, t1):
                 covered[(b, h, t)] = covered.get((b, h, t), 0) + 1
-    expected = {(b, h, t) for b, n in enumerate(want["seq_lens"]) for h in range(num_kv_heads)
-                for t in range(-(-int(n) // cfg.block_n))}
+    expected = {(b, h, t) for b, n in enumerate(want["tiles"].tolist()) for h in range(num_kv_heads)
+                for t in range(n)}
     assert set(covered) == expected and all(v == 1 for v in covered.values())
     # Equal pieces: CTA c walks exactly `piece` tiles (the tail CTAs fewer).
     piece = want["piece"]
@@ -68,24 +86,27 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
     # Every cut segment is merged exactly once: by the decode kernel (at most
     # FUSED_MERGE_PIECES pieces, one arrival counter each, inside [0, C)) or by the
     # boundary-indexed programs of merge_stream_kernel inside it (the rest), whose shares
-    # cover each of its G rows and head-dim columns once, for each step shape.
+    # cover each of its rows (G per query token) and head-dim columns once, for each step shape.
+    max_q_len = int(want["q_len"].max(initial=1))
     for fused_pieces in (FUSED_MERGE_PIECES, 2, 0):
         fused = stream_fused_merges(reads, fused_pieces)
         counters = list(fused.values())
         assert len(counters) == len(set(counters)) and all(0 <= c < num_ctas for c in counters)
         for group, head_dim in MERGE_SHAPES:
-            consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False)
+            query = QueryRows(max_q_len if want["multi_q"] else 1, group * max_q_len)
+            consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False, query)
             shares = stream_merge_shares(want, num_ctas, num_kv_heads, cfg.block_n, fused_pieces, consts)
             assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
-            for key, parts in shares.items():
-                cover = np.zeros((group, head_dim), dtype=np.int64)
+            for (b, h), parts in shares.items():
+                rows = group * int(want["q_len"][b]) if want["multi_q"] else group
+                cover = np.zeros((rows, head_dim), dtype=np.int64)
                 for _, row, col0, col1 in parts:
                     cover[row, col0:col1] += 1
-                assert (cover == 1).all(), (key, fused_pieces, group, head_dim, len(reads[key]))
+                assert (cover == 1).all(), ((b, h), fused_pieces, group, head_dim, len(reads[(b, h)]))
     # Segments written whole + segments merged = every non-empty segment, each once.
     outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
     assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
-    assert set(outs) | set(reads) == {(b, h) for b, n in enumerate(want["seq_lens"]) if n > 0
+    assert set(outs) | set(reads) == {(b, h) for b, n in enumerate(want["tiles"].tolist()) if n > 0
                                       for h in range(num_kv_heads)}
 
 
@@ -135,6 +156,46 @@ lengths = st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300), st.integers
 def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas):
     want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+# Verify rows: query lengths 0-16 (0: no query; past q_len: malformed, clamped and flagged)
+# over lengths that include 0 (padding rows keep their q rows) and short requests (q_len >
+# seq_len: clamped and flagged), with and without a window.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 300), st.integers(1000, 1100)),
+                               st.integers(0, 9)), min_size=1, max_size=30),
+       num_kv_heads=st.sampled_from([1, 2, 4]), num_ctas=st.integers(1, 200), q_len=st.sampled_from([2, 4, 8]),
+       window=st.sampled_from([None, 1, 40]), shift=st.sampled_from([0, -3]))
+def test_verify_plan_properties(device, rows, num_kv_heads, num_ctas, q_len, window, shift):
+    lens = [n for n, _ in rows]
+    cu = np.concatenate([[0], np.cumsum([k for _, k in rows])]).tolist()
+    cu[0] += shift  # a first row starting before q row 0
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas, cu=cu, q_len=q_len, window=window)
+    _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+def test_verify_plan_worked_example():
+    """Rows of 3, 1, 0 and 2 query tokens over 100, 20, 50 and 0 keys (a padding row keeps its
+    2 rows, which get zeros): the 50-key request has no query and costs nothing."""
+    want = stream_plan([100, 20, 50, 0], 1024, 4, 1, 16, cu_seqlens_q=[0, 3, 4, 4, 6], max_q_len=4)
+    assert want["q_start"].tolist() == [0, 3, 4, 4] and want["q_len"].tolist() == [3, 1, 0, 2]
+    assert want["tiles"].tolist() == [7, 2, 0, 0] and want["active_req"].tolist() == [0, 1]
+    assert want["rows_end"] == 6 and not want["malformed"].any()
+    under_window = stream_plan([100], 1024, 4, 1, 16, cu_seqlens_q=[0, 4], max_q_len=4, window=10)
+    assert under_window["tiles"].tolist() == [1]  # the last 10 + 4 - 1 = 13 keys
+
+
+def test_plain_decode_rows_of_several_tokens_are_flagged(device):
+    """A plain decode plan whose cu_seqlens_q gives a row more than one token (num_decodes
+    that does not match the batch) runs nothing else and flags it."""
+    want, _ = _check_stream(device, [30, 5, 7], 1, 4, cu=None)
+    assert not want["malformed"].any()
+    attn = _attn(device, "balanced", 1, 3, 4)
+    evenkv.errors.error_flag(device).zero_()
+    attn.plan(torch.tensor([30, 5, 7], device=device), torch.zeros(3, 64, dtype=torch.int32, device=device),
+              cu_seqlens_q=torch.tensor([0, 1, 2, 7], dtype=torch.int32, device=device))
+    assert _flag_bits(device) == {evenkv.errors.QUERY_OUT_OF_RANGE}
+    evenkv.errors.error_flag(device).zero_()
 
 
 def _check_fa3(device, lens, num_kv_heads, deterministic=False):

@@ -6,21 +6,24 @@ schedule, writes from device ``seq_lens``, with no host sync and into preallocat
 * ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
   reach), so the decode kernel can never index past a page-table row; a length that
   needed the clamp sets LENGTH_OUT_OF_RANGE in the error flag;
-* ``active_req [B, 2] int32``  the non-empty requests in batch order, each as (batch
-  index, clamped length): the decode kernel walks this list, so it never steps over empty
-  requests one by one, and reads a request's index and length in two independent loads
-  (not a length load that waits for the index load);
+* ``active_req [B, 4] int32``  the non-empty requests in batch order, each as (batch
+  index, clamped length, first q row, q_len): the decode kernel walks this list, so it
+  never steps over empty requests one by one, and reads a request's fields in independent
+  loads (not a length load that waits for the index load). Query rows come from
+  ``cu_seqlens [B + 1]`` (``decode_query_rows``): a speculative-verify row (MULTI_Q) has
+  q_len 1..max_q_len tokens; a plain decode row's query is q row b;
 * ``cta_start [C, 4] int32``  where CTA c starts walking: the first request whose cost
   range ends after ``c * piece``, as (its index into ``active_req``, its batch index,
   its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
   end. The decode kernel reads these with its other scalars in one round trip instead
   of a chain of three dependent loads;
-* ``plan_scalars [4] int32``  (piece, total, number of active requests, the most tiles
-  of one request's segment) with ``piece = max(ceil(total / C), 1)``.
+* ``plan_scalars [5] int32``  (piece, total, number of active requests, the most tiles
+  of one request's segment, the end of the last query row) with ``piece = max(ceil(total /
+  C), 1)``; the decode kernel checks the last against the rows of q it is given.
 
 Worked example (Hkv = 1, BLOCK_N = 16, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [7, 0, 2], total 9, piece 3,
-cost starts [0, 7, 7]; active_req = [[0, 100], [2, 20]]; CTA starts at cost 0, 3, 6, 9
+cost starts [0, 7, 7]; active_req = [[0, 100, 0, 1], [2, 20, 2, 1]]; CTA starts at cost 0, 3, 6, 9
 -> cta_start = [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [2, 3, 0, 9]]
 (request 1 is empty and never visited; CTA 3 starts past the end).
 
@@ -28,7 +31,8 @@ Requests lie end to end on one cost line: a request of n tiles costs ``Hkv * n``
 start is the exclusive prefix sum. With a sliding window W (``window`` > 0) a request's
 tiles are those of its last min(seq_len, W) tokens, counted from the window's first token
 (``window_tiles``): a 128K-token request under a 128-token window costs the tiles of 128
-tokens, so windowed layers stay balanced.
+tokens, so windowed layers stay balanced. A verify row of q_len tokens costs the tiles of its
+``row_window``: its tile count, like its bytes, does not grow with q_len.
 
 Each program recomputes the (cheap, L2-resident) prefix sum and answers BLOCK_C CTAs
 by counting ``req_cost_end <= c * piece`` instead of a serial binary search. Requests end
@@ -45,40 +49,85 @@ from .error_bits import LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RAN
 @triton.jit
 def window_tiles(seq_len, window, BLOCK_N: tl.constexpr):
     """(first visible token, tiles of visible tokens) of a decode row of ``seq_len`` tokens:
-    with a sliding window (``window`` W > 0) it sees its last min(seq_len, W) tokens, else all."""
+    with a sliding window (``window`` W > 0) it sees its last min(seq_len, W) tokens, else all.
+    A row of q_len query tokens passes ``row_window(window, q_len)``."""
     visible = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
     return seq_len - visible, tl.cdiv(visible, BLOCK_N)
 
 
 @triton.jit
-def _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """(clamped length, cost, in batch, how many lengths needed the clamp) of requests ``offs``."""
+def row_window(window, q_len):
+    """The window of keys a decode row of ``q_len`` query tokens reads as a whole: its first
+    token sees W keys ending at itself, its last one q_len - 1 more (0 = no window)."""
+    return tl.where(window > 0, window + tl.maximum(q_len, 1) - 1, 0)
+
+
+@triton.jit
+def decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q: tl.constexpr):
+    """(first q row, q_len, whether the query range is malformed) of decode requests ``offs``.
+
+    MULTI_Q (speculative verify): q_len = cu[b + 1] - cu[b], clamped to [0, min(max_q_len,
+    seq_len)] (the new tokens are among the keys; a padding row, seq_len 0, keeps up to
+    max_q_len rows, which get zeros); a row starting before q row 0 gets q_len 0.
+    Plain decode: request b's query is q row b; a q_len other than 1 (0 for padding rows) is
+    malformed. Either way a malformed range is reported, never run as something else."""
+    q_start = tl.load(cu_seqlens_ptr + offs, mask=mask, other=0)
+    raw = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0) - q_start
+    if MULTI_Q:
+        cap = tl.where(seq_len > 0, tl.minimum(max_q_len, seq_len), max_q_len)
+        q_len = tl.minimum(tl.maximum(raw, 0), cap)
+        q_len = tl.where(q_start >= 0, q_len, 0)
+        bad = mask & ((q_len != raw) | (q_start < 0))
+    else:
+        q_len = tl.where(raw == 1, 1, 0)
+        bad = mask & ((raw > 1) | (raw < 0))
+        q_start = offs
+    return q_start.to(tl.int32), q_len.to(tl.int32), bad
+
+
+@triton.jit
+def _request_cost(seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MULTI_Q: tl.constexpr):
+    """(clamped length, cost, in batch, first q row, q_len, how many lengths needed the clamp,
+    how many query ranges are malformed) of requests ``offs``. A row with no query token
+    costs nothing (MULTI_Q)."""
     mask = offs < batch_size
     # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
     raw = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
     seq_len = tl.minimum(tl.maximum(raw, 0), capacity).to(tl.int32)
-    _, tiles = window_tiles(seq_len, window, BLOCK_N)
-    return seq_len, tiles * NUM_KV_HEADS, mask, tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
+    q_start, q_len, bad_q = decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q)
+    if MULTI_Q:
+        _, tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
+        tiles = tl.where(q_len > 0, tiles, 0)
+    else:
+        _, tiles = window_tiles(seq_len, window, BLOCK_N)
+    bad_len = tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
+    return seq_len, tiles * NUM_KV_HEADS, mask, q_start, q_len, bad_len, tl.sum(bad_q.to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window"])
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len"])
 def plan_stream_kernel(
-    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
-    batch_size, capacity, window, num_ctas,
+    seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
+    batch_size, capacity, window, max_q_len, num_ctas,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+    MULTI_Q: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
     max_cost = tl.zeros([], tl.int32)
     clamped = tl.zeros([], tl.int32)
+    malformed = tl.zeros([], tl.int32)
+    rows_end = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        seq_len, cost, _, bad = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, window,
-                                              NUM_KV_HEADS, BLOCK_N)
+        _, cost, _, q_start, q_len, bad_len, bad_q = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, start + offs_b, batch_size, capacity, window, max_q_len, NUM_KV_HEADS,
+            BLOCK_N, MULTI_Q)
         total += tl.sum(cost, 0)
         max_cost = tl.maximum(max_cost, tl.max(cost, 0))
-        clamped += bad
+        clamped += bad_len
+        malformed += bad_q
+        rows_end = tl.maximum(rows_end, tl.max(tl.where(q_len > 0, q_start + q_len, 0), 0))
     piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
 
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -92,15 +141,18 @@ def plan_stream_kernel(
     writer = pid == 0
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        seq_len, cost, mask, _ = _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS,
-                                               BLOCK_N)
+        seq_len, cost, mask, q_start, q_len, _, _ = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len, NUM_KV_HEADS, BLOCK_N,
+            MULTI_Q)
         cost_end = tl.cumsum(cost, 0) + carry
         cost_start = cost_end - cost
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
         active = cost > 0
         rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
-        tl.store(active_req_ptr + 2 * rank, offs, mask=active & writer)
-        tl.store(active_req_ptr + 2 * rank + 1, seq_len, mask=active & writer)
+        tl.store(active_req_ptr + 4 * rank, offs, mask=active & writer)
+        tl.store(active_req_ptr + 4 * rank + 1, seq_len, mask=active & writer)
+        tl.store(active_req_ptr + 4 * rank + 2, q_start, mask=active & writer)
+        tl.store(active_req_ptr + 4 * rank + 3, q_len, mask=active & writer)
         ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
         first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
         first_req += tl.sum(ended.to(tl.int32), 1)
@@ -119,33 +171,39 @@ def plan_stream_kernel(
     tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
     if writer & (clamped > 0):
         tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
+    if writer & (malformed > 0):
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
     if writer:
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
         tl.store(plan_scalars_ptr + 3, max_cost // NUM_KV_HEADS)
+        tl.store(plan_scalars_ptr + 4, rows_end)
 
 
 @triton.jit
-def _used_entries(seq_lens_ptr, offs, mask, capacity, window, PAGE_SIZE: tl.constexpr):
+def _used_entries(seq_lens_ptr, cu_seqlens_ptr, offs, mask, capacity, window, PAGE_SIZE: tl.constexpr):
     """(first entry, number of entries) of requests ``offs``' page-table rows that hold
-    their visible tokens (lengths clamped to [0, capacity]; a window's last min(len, W),
-    ``window_tiles``)."""
+    their visible tokens (lengths clamped to [0, capacity]; with a window, the keys of
+    ``row_window``: the first of its q_len query tokens sees W, the last q_len - 1 more)."""
     lens = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + offs, mask=mask, other=0), 0), capacity).to(tl.int32)
-    first_tok, _ = window_tiles(lens, window, 1)
+    q_len = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0) - tl.load(cu_seqlens_ptr + offs, mask=mask,
+                                                                             other=0)
+    first_tok, _ = window_tiles(lens, row_window(window, tl.minimum(q_len, lens)), 1)
     first = first_tok // PAGE_SIZE
     return first, tl.cdiv(lens, PAGE_SIZE) - first
 
 
 @triton.jit(do_not_specialize=["batch_size", "capacity", "window", "stride_pt", "num_pages"])
 def audit_pages_kernel(
-    seq_lens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
+    seq_lens_ptr, cu_seqlens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
     PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages).
 
-    The attention kernels never dereference such an id (decode loads zeros, extend reads
-    page 0 in its place); this kernel, run once per plan, is what reports it, so their tile
+    ``cu_seqlens [B + 1]``: the batch's query rows (a request of q_len tokens reads
+    ``row_window`` keys under a window). The attention kernels never dereference such an id
+    (its K and V read as zeros); this kernel, run once per plan, is what reports it, so their tile
     loops carry nothing for the check. A request uses the entries of its visible tokens
     (``_used_entries``: with a sliding window, engines may free or reuse the pages before
     it). The used entries of all requests lie end to end; program p of P checks
@@ -156,8 +214,8 @@ def audit_pages_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        _, entries = _used_entries(seq_lens_ptr, start + offs_b, start + offs_b < batch_size, capacity, window,
-                                   PAGE_SIZE)
+        _, entries = _used_entries(seq_lens_ptr, cu_seqlens_ptr, start + offs_b, start + offs_b < batch_size, capacity,
+                                   window, PAGE_SIZE)
         total += tl.sum(entries, 0)
     per = tl.cdiv(total, tl.num_programs(0))
     lo = pid * per
@@ -168,7 +226,7 @@ def audit_pages_kernel(
     carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        _, entries = _used_entries(seq_lens_ptr, offs, offs < batch_size, capacity, window, PAGE_SIZE)
+        _, entries = _used_entries(seq_lens_ptr, cu_seqlens_ptr, offs, offs < batch_size, capacity, window, PAGE_SIZE)
         ends = tl.cumsum(entries, 0) + carry
         ended = (ends <= lo) & (offs < batch_size)
         req += tl.sum(ended.to(tl.int32), 0)
@@ -178,7 +236,7 @@ def audit_pages_kernel(
     bad = tl.zeros([BLOCK_E], tl.int1)
     pos = lo
     while (pos < hi) & (req < batch_size):
-        first, n = _used_entries(seq_lens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
+        first, n = _used_entries(seq_lens_ptr, cu_seqlens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
         row = page_table_ptr + req.to(tl.int64) * stride_pt + first
         stop = tl.minimum(hi, req_lo + n)
         for e in range(pos - req_lo, stop - req_lo, BLOCK_E):

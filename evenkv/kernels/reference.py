@@ -89,8 +89,8 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      sm_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                      logit_cap: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32,
-                     max_scores: int = 1 << 26) -> torch.Tensor:
+                     v_scale: float = 1.0, tree_mask: torch.Tensor | None = None,
+                     compute_dtype: torch.dtype = torch.float32, max_scores: int = 1 << 26) -> torch.Tensor:
     """Varlen paged extend attention, the same contract as ``evenkv.extend``.
 
     q [total_q, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D],
@@ -100,7 +100,9 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     positions < seq_len - q_len only). Query i of request b is at position seq_len - q_len + i; causal:
     sees keys <= its position; sliding_window W >= 1: keys in [p - W + 1, p]; logit_cap c > 0:
     scores -> c * tanh(scores / c). None or 0 disables window and cap. sinks: None or [Hq]
-    (see the module docstring).
+    (see the module docstring). tree_mask: None or [total_q] int (with causal): bit j of
+    tree_mask[i] says whether query row i sees its request's new token j (position seq_len -
+    q_len + j) instead of the causal rule among the new tokens; the prefix is always seen.
 
     compute_dtype: fp32 (the oracle) or the inputs' low dtype (torch's own low-precision
     baseline for the tolerance rule: scores, softmax and PV rounded to that dtype).
@@ -142,7 +144,12 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 scores = logit_cap * torch.tanh(scores / logit_cap)
             q_pos = prefix + torch.arange(i0, i1, device=q.device)
             seen = torch.ones(i1 - i0, seq_len, dtype=torch.bool, device=q.device)
-            if causal:
+            if causal and tree_mask is not None:
+                bits = tree_mask[q_begin + i0:q_begin + i1].long()
+                rel = (key_pos - prefix).clamp(min=0)
+                named = ((bits[:, None] >> rel[None, :]) & 1).bool()
+                seen &= (key_pos[None, :] < prefix) | named
+            elif causal:
                 seen &= key_pos[None, :] <= q_pos[:, None]
             if sliding_window:
                 seen &= key_pos[None, :] > q_pos[:, None] - sliding_window
