@@ -18,6 +18,7 @@ import torch
 
 from evenkv.kernels import decode_launch as launch
 from evenkv.kernels import plan_launch
+from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
@@ -26,10 +27,10 @@ from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_HEAD_DIMS, check_att
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
                       many_segments_config, max_tile_rows, resolve_arch, sm_count)
-from .errors import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
-from .planning import (PLAN_SCALARS, DecodePlan, StreamSchedule, UnitSchedule, decode_query_lens,
-                       deterministic_unit_capacity, fa3_unit_capacity, plan_chunked_units, plan_fa3_units,
-                       visible_keys)
+from .errors import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
+from .planning import (DETERMINISTIC_MAX_SPLITS, DETERMINISTIC_MIN_CHUNK_TOKENS, PLAN_SCALARS, DecodePlan,
+                       StreamSchedule, UnitSchedule, decode_query_lens, deterministic_chunk_capacity,
+                       fa3_unit_capacity, plan_fa3_units, visible_keys)
 
 POLICIES = ("balanced", "fa3", "none")
 # The most query tokens of one decode row (speculative verify: 1 + draft tokens); a tree mask
@@ -60,9 +61,10 @@ class DecodeAttention:
             Unless ``config`` or ``num_ctas`` is given, the balanced policy plans batches of
             many short segments with the table's second row and its own grid
             (``evenkv.configs.many_segments_config``; ``launch_config`` says which).
-        deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
-            by its own length only and its pieces are merged in a fixed order, so its output
-            is bitwise the same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
+        deterministic: batch-invariant results (``balanced`` or ``none``): a request is cut
+            into chunks by its own length only and its chunks are merged in a fixed order,
+            with one kernel variant and config for every batch, so its output is bitwise the
+            same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
         max_total_tokens: the most KV tokens a batch can hold (an engine's KV pool size);
             sizes deterministic mode's partial workspace (one [G x max_q_len, D] fp32 slot
             per 512 tokens and KV head, plus one per request). Default: 2**21.
@@ -114,7 +116,7 @@ class DecodeAttention:
                              "on the whole batch's work, so a request's result would depend on its neighbours)")
         # How the work is scheduled: a stream-K cost line, a queue of (request, split, head)
         # units, or one program per (request, head).
-        self._kind = "direct" if policy == "none" else ("units" if policy == "fa3" or deterministic else "stream")
+        self._kind = {"none": "direct", "fa3": "units"}.get(policy, "stream")
         self.deterministic = deterministic
         self.device = resolve_device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -150,16 +152,20 @@ class DecodeAttention:
         # row and its grid for batches of many short segments (see launch_config).
         self._slot_rows = self.group_size * self.max_q_len
         self._variants = {}
-        for bucket in q_len_buckets(self.max_q_len):
+        # Deterministic mode runs every batch on one variant (its config and grid set the
+        # arithmetic), that of the longest rows.
+        buckets = [q_len_bucket(self.max_q_len)] if deterministic else q_len_buckets(self.max_q_len)
+        for bucket in buckets:
             config = self._bucket_config(bucket)
             grid = num_ctas if num_ctas is not None else self._default_grid(config, self._query(bucket))
             many = None
-            if bucket == 1 and self._kind == "stream" and config is self.config and num_ctas is None:
+            if bucket == 1 and self._kind == "stream" and not deterministic and config is self.config and \
+                    num_ctas is None:
                 many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
                 if many_config is not None:
                     many = (many_config, self._default_grid(many_config, self._query(1)))
             self._variants[bucket] = (config, grid, many)
-        self.num_ctas = self._variants[1][1]
+        self.num_ctas = self._variants[buckets[0]][1]
         self._max_ctas = max(max(grid, many[1] if many else 0) for _, grid, many in self._variants.values())
         self._schedule = self._allocate_schedule()
         # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
@@ -190,11 +196,12 @@ class DecodeAttention:
         if self._kind == "stream":
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
             self._merge_counters = torch.zeros(self._max_ctas, **i32)
-            return StreamSchedule(torch.zeros(b, 4, **i32), torch.zeros(self._max_ctas, 4, **i32),
-                                  torch.zeros(PLAN_SCALARS, **i32), self.num_ctas)
+            return StreamSchedule(torch.zeros(b, ACTIVE_REQ_FIELDS.value, **i32), torch.zeros(self._max_ctas, 4, **i32),
+                                  torch.zeros(self._max_ctas + 1, **i32), torch.zeros(PLAN_SCALARS, **i32),
+                                  torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(b, **i32),
+                                  torch.zeros(1, **i32), self.num_ctas)
         if self._kind == "units":
-            units = (fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else
-                     deterministic_unit_capacity(b, self.max_total_tokens))
+            units = fa3_unit_capacity(b, self.num_sms)
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
@@ -204,13 +211,21 @@ class DecodeAttention:
 
     def _partial_slots(self) -> int:
         """Partial (O, LSE) slots: two per CTA for the stream (its first and last segment
-        may be cut; for the largest of its grids), one per (split, head) unit for the unit
-        queue, none for direct."""
+        may be cut; for the largest of its grids), or one per chunk and KV head in
+        deterministic mode; one per (split, head) unit for the unit queue, none for direct."""
+        if self._kind == "stream" and self.deterministic:
+            return self._chunking()[2] * self.num_kv_heads
         if self._kind == "stream":
             return 2 * self._max_ctas
         if self._kind == "units":
             return self._schedule.unit_req.shape[0] * self.num_kv_heads
         return 0
+
+    def _chunking(self, config: DecodeConfig | None = None) -> tuple[int, int, int]:
+        """Deterministic mode's (min chunk tiles, most chunks of a request, chunk capacity)."""
+        block_n = (config or self.config).block_n
+        return (-(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n), DETERMINISTIC_MAX_SPLITS,
+                deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens))
 
     def _use_pdl(self, config: DecodeConfig) -> bool:
         return config.programmatic_launch and self._pdl_capable
@@ -220,10 +235,15 @@ class DecodeAttention:
         up to ``q_len`` query tokens: for plain decode rows, the balanced policy's
         many-segments row where it has one and the batch has at least MANY_SEGMENTS_PER_CTA
         (request, KV head) segments per CTA of the main grid; else the q-length bucket's row."""
-        config, grid, many = self._variants[q_len_bucket(q_len)]
+        config, grid, many = self._variants[self._bucket(q_len)]
         if many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
             return many
         return config, grid
+
+    def _bucket(self, q_len: int) -> int:
+        """The q-length bucket (kernel variant) of rows of up to q_len query tokens; the one
+        variant in deterministic mode."""
+        return next(iter(self._variants)) if self.deterministic else q_len_bucket(q_len)
 
     def _default_grid(self, config: DecodeConfig, query: launch.QueryRows) -> int:
         """SMs x the resident CTAs per SM of ``config``'s decode kernel for ``query``'s rows."""
@@ -254,15 +274,16 @@ class DecodeAttention:
         scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         if self._kind == "stream":
             pdl = self._use_pdl(config)
-            active, cta_start, scalars = torch.zeros(1, 4, **i32), torch.zeros(1, 4, **i32), torch.zeros(
-                PLAN_SCALARS, **i32)
-            if merge:
-                launch.launch_merge_stream(scratch, scratch, t["out"], active, cta_start, scalars, terms, query, 1,
-                                           self.num_kv_heads, config, pdl, warmup=True)
+            schedule = dataclasses.replace(self._schedule, num_ctas=1)
+            if merge and self.deterministic:
+                launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
+                                          query, self.num_kv_heads, 1, warmup=True)
+            elif merge:
+                launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self.num_kv_heads,
+                                           config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                               lens, lens, lens, t["page_table"], active, cta_start, scalars,
-                                               self._errors, terms, query, 1, self.page_size, config, pdl,
-                                               warmup=True)
+                                               lens, lens, t["page_table"], schedule, self._errors, terms, query,
+                                               self.page_size, config, pdl, self.deterministic, warmup=True)
         if merge and self._kind == "units":
             launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
                                       query, self.num_kv_heads, 1, warmup=True)
@@ -303,10 +324,10 @@ class DecodeAttention:
                     plan_launch.launch_audit_pages(lens, self._row_per_request, t["page_table"], self._errors, 1,
                                                    self.page_size, self.num_sms, self.sliding_window or 0, warmup=True)
                     for config, ctas, multi_q in plans if self._kind == "stream" else []:
-                        plan_launch.launch_plan_stream(lens, self._row_per_request, self._plan_seq_lens, s.active_req,
-                                                       s.cta_start, s.plan_scalars, self._errors, 1,
-                                                       self.sliding_window or 0, 1, multi_q, ctas, self.num_sms,
-                                                       self.num_kv_heads, config.block_n, warmup=True)
+                        plan_launch.launch_plan_stream(
+                            lens, self._row_per_request, self._plan_seq_lens, dataclasses.replace(s, num_ctas=ctas),
+                            self._errors, 1, self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads,
+                            config.block_n, self._chunking(config) if self.deterministic else None, warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
@@ -362,27 +383,23 @@ class DecodeAttention:
         plan_seq_lens = self._plan_seq_lens[:batch]
         config, ctas = self.launch_config(batch, q_len)
         schedule = self._schedule
-        bucket = q_len_bucket(q_len)
+        bucket = self._bucket(q_len)
         if batch > 0 and self._kind == "stream":
             schedule = self._grid_schedules[ctas]
-            plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule.active_req,
-                                           schedule.cta_start, schedule.plan_scalars, self._errors, capacity,
-                                           self.sliding_window or 0, q_len, bucket > 1, ctas, self.num_sms,
-                                           self.num_kv_heads, config.block_n)
+            plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule, self._errors, capacity,
+                                           self.sliding_window or 0, q_len, bucket > 1, self.num_sms,
+                                           self.num_kv_heads, config.block_n,
+                                           self._chunking(config) if self.deterministic else None)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
             self._errors.bitwise_or_(clamped.to(torch.int32) * LENGTH_OUT_OF_RANGE)
             q_lens, malformed = decode_query_lens(cu_seqlens_q, plan_seq_lens, q_len, bucket > 1)
             self._errors.bitwise_or_(malformed.any().to(torch.int32) * QUERY_OUT_OF_RANGE)
-            # The units are split by the tiles each row reads (a window's, ``row_window``).
-            visible = visible_keys(plan_seq_lens, q_lens, self.sliding_window)
-            if self.policy == "fa3":
-                plan_fa3_units(visible, self._schedule, block_n=config.block_n,
-                               num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
-            elif self._kind == "units":
-                plan_chunked_units(visible, self._schedule, self._errors, block_n=config.block_n,
-                                   num_kv_heads=self.num_kv_heads, lost_bit=INVARIANCE_LOST)
+            if self._kind == "units":
+                # The units are split by the tiles each row reads (a window's, ``row_window``).
+                plan_fa3_units(visible_keys(plan_seq_lens, q_lens, self.sliding_window), self._schedule,
+                               block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
         query = self._query(bucket, tree)
         self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
                                 tree_mask if tree else self._no_tree, query, q_len)
@@ -452,13 +469,16 @@ class DecodeAttention:
         s, query, cu, tree = plan.schedule, plan.query, plan.cu_seqlens_q, plan.tree_mask
         errors = self._errors
         if self._kind == "stream":
-            pdl = self._use_pdl(plan.config)
+            pdl = self._use_pdl(plan.config) and not self.deterministic
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
-                                        plan.seq_lens, cu, tree, plan.page_table, s.active_req, s.cta_start,
-                                        s.plan_scalars, errors, terms, query, s.num_ctas, self.page_size, plan.config,
-                                        pdl)
-            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.active_req, s.cta_start, s.plan_scalars,
-                                       terms, query, s.num_ctas, hkv, plan.config, pdl)
+                                        plan.seq_lens, cu, tree, plan.page_table, s, errors, terms, query,
+                                        self.page_size, plan.config, pdl, self.deterministic)
+            if self.deterministic:
+                launch.launch_merge_units(self._o_part, self._lse_part, out, plan.seq_lens, cu, s.req_chunks,
+                                          s.req_chunk_base, s.merge_list, s.merge_count, terms.sinks, query, hkv,
+                                          s.num_ctas)
+            else:
+                launch.launch_merge_stream(self._o_part, self._lse_part, out, s, terms, query, hkv, plan.config, pdl)
         elif self._kind == "units":
             launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens, cu,
                                        tree, plan.page_table, s.unit_req, s.unit_split, s.req_splits,

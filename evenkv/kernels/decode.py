@@ -69,7 +69,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .error_bits import QUERY_OUT_OF_RANGE
 from .numerics import FP8_Q_PRESCALE, LOG2E, dot, narrow, soft_cap
-from .plan import decode_query_rows, row_window, window_tiles
+from .plan import ACTIVE_REQ_FIELDS, decode_query_rows, row_window, window_tiles
 
 
 @triton.jit
@@ -333,17 +333,18 @@ def _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS: tl.constexpr, FUSED_M
 @triton.jit(do_not_specialize=["stride_pt", "window", "batch_size", "num_pages", "max_q_len", "total_q"])
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
-    seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr,
-    sinks_ptr, error_ptr,
+    seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr,
+    plan_scalars_ptr, sinks_ptr, error_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, batch_size, num_pages, max_q_len, total_q,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr,
+    KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
-    """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
+    """Persistent balanced decode: CTA c walks cost range [cta_pos[c], cta_pos[c + 1]) (c * piece
+    onwards; in deterministic mode moved up to a chunk boundary).
 
     Segment (b, h) spans cost [seg_lo, seg_lo + n_tiles), segments in (request, head)
     order with empty requests skipped (``active_req``: batch index, length, first q row,
@@ -360,6 +361,12 @@ def decode_stream_kernel(
     2*c + (c is the segment's first CTA). Only the range's first and last segments can be
     cut; one of few pieces is merged by its last piece to arrive (``_arrive_and_merge``),
     one of more pieces by ``merge_stream_kernel``.
+
+    DETERMINISTIC: a segment is walked in chunks (``plan.chunk_tiles``, from its request's own
+    length), no CTA range cuts one, and each chunk of a segment of several is stored as a
+    partial at slot (chunk_base + chunk) * Hkv + h, every one from a fresh accumulator; the
+    merge is ``merge_units_kernel``'s, in chunk order. So a request's result does not depend
+    on where the CTA ranges fall, i.e. on the rest of the batch.
     """
     cta = tl.program_id(0)
     if USE_PDL:
@@ -368,19 +375,25 @@ def decode_stream_kernel(
         gdc_launch_dependents()
     num_ctas = tl.num_programs(0)
     piece = tl.load(plan_scalars_ptr)
-    total = tl.load(plan_scalars_ptr + 1)
     num_active = tl.load(plan_scalars_ptr + 2)
     k = tl.load(cta_start_ptr + 4 * cta)
     b = tl.load(cta_start_ptr + 4 * cta + 1)
     seq_len = tl.load(cta_start_ptr + 4 * cta + 2)
     req_lo = tl.load(cta_start_ptr + 4 * cta + 3)
-    next_b = tl.load(active_req_ptr + 4 * (k + 1), mask=k + 1 < num_active, other=0)
-    next_seq_len = tl.load(active_req_ptr + 4 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+    pos = tl.load(cta_pos_ptr + cta)
+    end = tl.load(cta_pos_ptr + cta + 1)
+    next_b = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1), mask=k + 1 < num_active, other=0)
+    next_seq_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+    if DETERMINISTIC:
+        chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 4, mask=k < num_active, other=1)
+        chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 5, mask=k < num_active, other=0)
+        next_chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 4, mask=k + 1 < num_active, other=1)
+        next_chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 5, mask=k + 1 < num_active, other=0)
     if MULTI_Q:
-        q_start = tl.load(active_req_ptr + 4 * k + 2, mask=k < num_active, other=0)
-        q_len = tl.load(active_req_ptr + 4 * k + 3, mask=k < num_active, other=0)
-        next_q_start = tl.load(active_req_ptr + 4 * (k + 1) + 2, mask=k + 1 < num_active, other=0)
-        next_q_len = tl.load(active_req_ptr + 4 * (k + 1) + 3, mask=k + 1 < num_active, other=0)
+        q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2, mask=k < num_active, other=0)
+        q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3, mask=k < num_active, other=0)
+        next_q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 2, mask=k + 1 < num_active, other=0)
+        next_q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 3, mask=k + 1 < num_active, other=0)
         if (cta == 0) & (tl.load(plan_scalars_ptr + 4) > total_q):
             tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
         seg_window = row_window(window, q_len)
@@ -395,8 +408,6 @@ def decode_stream_kernel(
     scan_rows = cta + num_ctas * tl.arange(0, EMPTY_SCAN)
     scan_lens = tl.load(seq_lens_ptr + scan_rows, mask=scan_rows < batch_size, other=1)
 
-    pos = cta * piece
-    end = tl.minimum(pos + piece, total)
     first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
     h = tl.maximum(pos - req_lo, 0) // tl.maximum(n_tiles, 1)
     seg_lo = req_lo + h * n_tiles
@@ -421,13 +432,19 @@ def decode_stream_kernel(
                 k = k + 1
                 b = next_b
                 seq_len = next_seq_len
-                next_b = tl.load(active_req_ptr + 4 * (k + 1), mask=k + 1 < num_active, other=0)
-                next_seq_len = tl.load(active_req_ptr + 4 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+                nxt = active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1)
+                next_b = tl.load(nxt, mask=k + 1 < num_active, other=0)
+                next_seq_len = tl.load(nxt + 1, mask=k + 1 < num_active, other=0)
+                if DETERMINISTIC:
+                    chunk = next_chunk
+                    chunk_base = next_chunk_base
+                    next_chunk = tl.load(nxt + 4, mask=k + 1 < num_active, other=1)
+                    next_chunk_base = tl.load(nxt + 5, mask=k + 1 < num_active, other=0)
                 if MULTI_Q:
                     q_start = next_q_start
                     q_len = next_q_len
-                    next_q_start = tl.load(active_req_ptr + 4 * (k + 1) + 2, mask=k + 1 < num_active, other=0)
-                    next_q_len = tl.load(active_req_ptr + 4 * (k + 1) + 3, mask=k + 1 < num_active, other=0)
+                    next_q_start = tl.load(nxt + 2, mask=k + 1 < num_active, other=0)
+                    next_q_len = tl.load(nxt + 3, mask=k + 1 < num_active, other=0)
                     seg_window = row_window(window, q_len)
                 first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
             else:
@@ -441,19 +458,32 @@ def decode_stream_kernel(
                                  first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
                                  cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
                                  MULTI_Q, TREE)
-        # The segment's last tile in this range: store it whole, or as a cut piece.
-        tile_end = tl.minimum(end - seg_lo, n_tiles)
-        if tile == tile_end - 1:
-            if (pos <= seg_lo) & (tile_end == n_tiles):
-                _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, acc,
-                             m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
-            else:
-                # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
-                _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32), q_len,
-                               acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
-            m = tl.full([ROWS], float("-inf"), tl.float32)
-            l = tl.zeros([ROWS], tl.float32)
-            acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        if DETERMINISTIC:
+            # The chunk's last tile: store it (whole if it is the segment), fresh accumulator after.
+            if ((tile + 1) % chunk == 0) | (tile == n_tiles - 1):
+                if n_tiles <= chunk:
+                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
+                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                else:
+                    _store_partial(o_part_ptr, lse_part_ptr, (chunk_base + tile // chunk) * NUM_KV_HEADS + h, q_len,
+                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                m = tl.full([ROWS], float("-inf"), tl.float32)
+                l = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        else:
+            # The segment's last tile in this range: store it whole, or as a cut piece.
+            tile_end = tl.minimum(end - seg_lo, n_tiles)
+            if tile == tile_end - 1:
+                if (pos <= seg_lo) & (tile_end == n_tiles):
+                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
+                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                else:
+                    # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
+                    _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32), q_len,
+                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                m = tl.full([ROWS], float("-inf"), tl.float32)
+                l = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     # The loop ended in the range's last segment: cut at its end if it has tiles in and
     # past this range (and did not start before it: then it is the first one, counted).
     last_seg, last_seg_cta, last_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS,
@@ -472,12 +502,14 @@ def decode_stream_kernel(
             _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q_len, total_q, NUM_KV_HEADS,
                                  G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q)
     # The arrivals wait for the walk to end: a merge inside the loop would raise its
-    # register pressure past the 128-register cap (spills in the tile loop).
-    if (first_seg >= 0) | (last_seg >= 0):
-        _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
-                          first_seg, first_seg_cta, first_seg_pieces, first_q_start, first_q_len,
-                          last_seg, last_seg_cta, last_seg_pieces, q_start, q_len, total_q,
-                          NUM_KV_HEADS, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS, MULTI_Q)
+    # register pressure past the 128-register cap (spills in the tile loop). Deterministic
+    # mode cuts no segment between CTAs (its chunks are merged by merge_units_kernel).
+    if not DETERMINISTIC:
+        if (first_seg >= 0) | (last_seg >= 0):
+            _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
+                              first_seg, first_seg_cta, first_seg_pieces, first_q_start, first_q_len,
+                              last_seg, last_seg_cta, last_seg_pieces, q_start, q_len, total_q,
+                              NUM_KV_HEADS, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS, MULTI_Q)
 
 
 @triton.jit
@@ -590,6 +622,27 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
                           BLOCK_P=1, HAS_SINKS=HAS_SINKS, MULTI_Q=MULTI_Q)
 
 
+@triton.jit
+def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h, t,
+                  first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Helper t of the pieces - 1 programs inside a segment merges its share (``merge_stream_kernel``):
+    rows t, t + (pieces - 1), ... (pieces <= ROW_P), else (row, CHUNK_D columns) items so."""
+    helpers = pieces - 1
+    rows = _segment_rows(q_len, G, MULTI_Q)
+    if pieces <= ROW_P:
+        for row in range(t, rows, helpers):
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
+                          h, row, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS,
+                          MULTI_Q)
+    else:
+        for item in range(t, rows * D_CHUNKS, helpers):
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
+                          h, item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS,
+                          HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+
+
 @triton.jit(do_not_specialize=["window", "total_q"])
 def merge_stream_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr, stride_ob,
@@ -632,8 +685,8 @@ def merge_stream_kernel(
     x = j * piece
     if (j > 0) & (k < num_active) & (most_pieces > FUSED_MERGE_PIECES):
         if MULTI_Q:
-            q_start = tl.load(active_req_ptr + 4 * k + 2)
-            q_len = tl.load(active_req_ptr + 4 * k + 3)
+            q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2)
+            q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3)
             _, n_tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
         else:
             q_start = b
@@ -661,27 +714,6 @@ def merge_stream_kernel(
                 _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
                               total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
                               D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q)
-
-
-@triton.jit
-def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h, t,
-                  first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
-    """Helper t of the pieces - 1 programs inside a segment merges its share (``merge_stream_kernel``):
-    rows t, t + (pieces - 1), ... (pieces <= ROW_P), else (row, CHUNK_D columns) items so."""
-    helpers = pieces - 1
-    rows = _segment_rows(q_len, G, MULTI_Q)
-    if pieces <= ROW_P:
-        for row in range(t, rows, helpers):
-            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
-                          h, row, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS,
-                          MULTI_Q)
-    else:
-        for item in range(t, rows * D_CHUNKS, helpers):
-            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
-                          h, item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS,
-                          HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "window", "num_pages", "max_q_len", "total_q"])

@@ -136,36 +136,39 @@ class LayerTerms:
 
 
 def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, cu_seqlens, tree,
-                         page_table, active_req, cta_start, plan_scalars, errors, terms: LayerTerms, query: QueryRows,
-                         num_ctas: int, page_size: int, config, use_pdl: bool, warmup: bool = False):
-    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
-    o_part/lse_part hold 2 * num_ctas slots of query.slot_rows rows, merge_counters [num_ctas]
-    int32 zeros; cu_seqlens [B + 1] and tree [total_q] int32 are read for verify rows only).
-    use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start early (sm90)."""
+                         page_table, schedule, errors, terms: LayerTerms, query: QueryRows, page_size: int, config,
+                         use_pdl: bool, deterministic: bool = False, warmup: bool = False):
+    """Persistent balanced decode over ``schedule.num_ctas`` CTAs (shapes: see
+    ``decode_stream_kernel``; ``schedule`` an ``evenkv.planning.StreamSchedule``; o_part/lse_part
+    hold 2 * num_ctas slots of query.slot_rows rows, or a slot per chunk and KV head when
+    ``deterministic``; merge_counters [num_ctas] int32 zeros; cu_seqlens [B + 1] and tree
+    [total_q] int32). use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start
+    early (sm90)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
+    s = schedule
     return launch_or_compile(
-        decode_stream_kernel, (num_ctas,), warmup,
+        decode_stream_kernel, (s.num_ctas,), warmup,
         q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, cu_seqlens, tree, page_table,
-        active_req, cta_start, plan_scalars, sinks, errors, *_cache_strides(q, k_cache, v_cache, out, page_table),
-        qk_scale, cap_scale, v_scale, window, seq_lens.shape[0], k_cache.shape[0] // page_size, query.max_q_len,
-        q.shape[0],
+        s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, sinks, errors,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window, seq_lens.shape[0],
+        k_cache.shape[0] // page_size, query.max_q_len, q.shape[0],
         **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl, query), **terms.constants(k_cache),
-        num_warps=config.num_warps, maxnreg=config.max_registers)
+        DETERMINISTIC=deterministic, num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
-def launch_merge_stream(o_part, lse_part, out, active_req, cta_start, plan_scalars, terms: LayerTerms,
-                        query: QueryRows, num_ctas: int, num_kv_heads: int, config, use_pdl: bool,
-                        warmup: bool = False):
-    """Grid (C,): one program per CTA boundary (see merge_stream_kernel). use_pdl:
+def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, query: QueryRows, num_kv_heads: int,
+                        config, use_pdl: bool, warmup: bool = False):
+    """Grid (C,): one program per CTA boundary of ``schedule`` (see merge_stream_kernel). use_pdl:
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
     sinks = terms.sinks if terms.sinks is not None else out
+    s = schedule
     return launch_or_compile(
-        merge_stream_kernel, (num_ctas,), warmup,
-        o_part, lse_part, out, active_req, cta_start, plan_scalars, sinks, out.stride(0), out.stride(1), terms.window,
-        out.shape[0],
+        merge_stream_kernel, (s.num_ctas,), warmup,
+        o_part, lse_part, out, s.active_req, s.cta_start, s.plan_scalars, sinks, out.stride(0), out.stride(1),
+        terms.window, out.shape[0],
         **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl, query,
                                  terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)

@@ -43,7 +43,11 @@ count of ended ones, and its length and cost start are read off the same compare
 import triton
 import triton.language as tl
 
-from .error_bits import LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+from .error_bits import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+
+# active_req's fields per request: batch index, clamped length, first q row, q_len, and in
+# deterministic mode its chunk (tiles) and first chunk.
+ACTIVE_REQ_FIELDS = tl.constexpr(6)
 
 
 @triton.jit
@@ -105,13 +109,72 @@ def _request_cost(seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, wind
     return seq_len, tiles * NUM_KV_HEADS, mask, q_start, q_len, bad_len, tl.sum(bad_q.to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len"])
+@triton.jit
+def chunk_tiles(tiles, fit, MIN_CHUNK_TILES: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """Deterministic mode's chunk of a segment of ``tiles`` tiles: at least MIN_CHUNK_TILES, at
+    most MAX_CHUNKS chunks, a function of the request's own length (``fit`` is 0 unless the
+    batch overflows the partial workspace; then a chunk of the batch's total, see
+    ``plan_stream_kernel``). Example (MIN 8, MAX 128): 100 tiles -> 8 (13 chunks); 8192 -> 64."""
+    return tl.maximum(tl.maximum(tl.cdiv(tiles, MAX_CHUNKS), MIN_CHUNK_TILES), fit)
+
+
+@triton.jit
+def _count_starts(seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                  BLOCK_C: tl.constexpr, MULTI_Q: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
+                  MAX_CHUNKS: tl.constexpr):
+    """For each cost-line position in ``positions`` ([BLOCK_C]), the request it falls in (the
+    first whose cost range ends after it): (its index among the active requests, batch index,
+    clamped length, cost start, tiles of one segment, deterministic chunk). Requests end in
+    batch order, so the ended ones are a prefix: the first request still open is the count
+    of ended ones, and its fields are read off the same compare tile."""
+    offs_b = tl.arange(0, BLOCK_B)
+    first_active = tl.zeros([BLOCK_C], tl.int32)
+    first_req = tl.zeros([BLOCK_C], tl.int32)
+    first_len = tl.zeros([BLOCK_C], tl.int32)
+    first_cost_start = tl.zeros([BLOCK_C], tl.int32)
+    first_tiles = tl.zeros([BLOCK_C], tl.int32)
+    carry = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        offs = start + offs_b
+        seq_len, cost, mask, _, _, _, _ = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len, NUM_KV_HEADS, BLOCK_N,
+            MULTI_Q)
+        cost_end = tl.cumsum(cost, 0) + carry
+        ended = (cost_end[None, :] <= positions[:, None]) & mask[None, :]
+        first_active += tl.sum((ended & (cost > 0)[None, :]).to(tl.int32), 1)
+        first_req += tl.sum(ended.to(tl.int32), 1)
+        # The first open request is request first_req once every chunk is counted; it
+        # is in this chunk iff it is there after this chunk's count.
+        is_first = (offs[None, :] == first_req[:, None]) & mask[None, :]
+        first_len += tl.sum(tl.where(is_first, seq_len[None, :], 0), 1)
+        first_cost_start += tl.sum(tl.where(is_first, (cost_end - cost)[None, :], 0), 1)
+        first_tiles += tl.sum(tl.where(is_first, (cost // NUM_KV_HEADS)[None, :], 0), 1)
+        carry += tl.sum(cost, 0)
+    first_cost_start = tl.where(first_req < batch_size, first_cost_start, total)
+    return (first_active, first_req, first_len, first_cost_start, first_tiles,
+            chunk_tiles(first_tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS))
+
+
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "chunk_capacity"])
 def plan_stream_kernel(
-    seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
-    batch_size, capacity, window, max_q_len, num_ctas,
+    seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr, plan_scalars_ptr,
+    req_chunks_ptr, req_chunk_base_ptr, merge_list_ptr, merge_count_ptr, error_ptr,
+    batch_size, capacity, window, max_q_len, num_ctas, chunk_capacity,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
-    MULTI_Q: tl.constexpr,
+    MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
 ):
+    """The balanced plan (module docstring). DETERMINISTIC: every segment is cut into chunks of
+    ``chunk_tiles`` (a function of its own length), which the decode kernel walks and stores one
+    by one, and CTA starts are moved up to the next chunk boundary, so no CTA range cuts a
+    chunk: a request's partials, and their merge, are then the same bits whatever else is in
+    the batch. Per request it also writes its chunk count and first chunk (``req_chunks``,
+    ``req_chunk_base`` [B] int32; a chunk's partial slot is (base + chunk) * Hkv + head) and
+    the compact list of requests of several chunks (``merge_list`` [B] int32, ``merge_count``
+    [1]), for ``decode.merge_units_kernel``. A batch of more chunks than the workspace holds
+    (``chunk_capacity``; only where requests share prefix pages) takes larger chunks from its
+    total tiles, still correct but no longer invariant: INVARIANCE_LOST is set. ``cta_pos``
+    [C + 1] int32: where each CTA starts (and the total)."""
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
@@ -119,6 +182,7 @@ def plan_stream_kernel(
     clamped = tl.zeros([], tl.int32)
     malformed = tl.zeros([], tl.int32)
     rows_end = tl.zeros([], tl.int32)
+    chunks_total = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         _, cost, _, q_start, q_len, bad_len, bad_q = _request_cost(
             seq_lens_ptr, cu_seqlens_ptr, start + offs_b, batch_size, capacity, window, max_q_len, NUM_KV_HEADS,
@@ -128,57 +192,82 @@ def plan_stream_kernel(
         clamped += bad_len
         malformed += bad_q
         rows_end = tl.maximum(rows_end, tl.max(tl.where(q_len > 0, q_start + q_len, 0), 0))
+        if DETERMINISTIC:
+            tiles = cost // NUM_KV_HEADS
+            chunks_total += tl.sum(tl.cdiv(tiles, chunk_tiles(tiles, 0, MIN_CHUNK_TILES, MAX_CHUNKS)), 0)
     piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
+    overflow = chunks_total > chunk_capacity
+    # Chunks of the batch's total tiles fit the workspace (sum cdiv(n_b, c) <= total / c + B).
+    room = tl.maximum(chunk_capacity - batch_size, 1)
+    fit = tl.where(overflow, tl.cdiv(total // NUM_KV_HEADS, room), 0)
 
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    cta_pos = offs_c * piece
-    first_active = tl.zeros([BLOCK_C], tl.int32)
-    first_req = tl.zeros([BLOCK_C], tl.int32)
-    first_len = tl.zeros([BLOCK_C], tl.int32)
-    first_cost_start = tl.zeros([BLOCK_C], tl.int32)
-    carry = tl.zeros([], tl.int32)
-    active_carry = tl.zeros([], tl.int32)
+    positions = tl.minimum(offs_c * piece, total)
     writer = pid == 0
+    active_carry = tl.zeros([], tl.int32)
+    chunk_carry = tl.zeros([], tl.int32)
+    merge_carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
         seq_len, cost, mask, q_start, q_len, _, _ = _request_cost(
             seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len, NUM_KV_HEADS, BLOCK_N,
             MULTI_Q)
-        cost_end = tl.cumsum(cost, 0) + carry
-        cost_start = cost_end - cost
         tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
         active = cost > 0
         rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
-        tl.store(active_req_ptr + 4 * rank, offs, mask=active & writer)
-        tl.store(active_req_ptr + 4 * rank + 1, seq_len, mask=active & writer)
-        tl.store(active_req_ptr + 4 * rank + 2, q_start, mask=active & writer)
-        tl.store(active_req_ptr + 4 * rank + 3, q_len, mask=active & writer)
-        ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
-        first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
-        first_req += tl.sum(ended.to(tl.int32), 1)
-        # The first open request is request first_req once every chunk is counted; it
-        # is in this chunk iff it is there after this chunk's count.
-        is_first = (offs[None, :] == first_req[:, None]) & mask[None, :]
-        first_len += tl.sum(tl.where(is_first, seq_len[None, :], 0), 1)
-        first_cost_start += tl.sum(tl.where(is_first, cost_start[None, :], 0), 1)
-        carry += tl.sum(cost, 0)
+        row = active_req_ptr + ACTIVE_REQ_FIELDS * rank
+        tl.store(row, offs, mask=active & writer)
+        tl.store(row + 1, seq_len, mask=active & writer)
+        tl.store(row + 2, q_start, mask=active & writer)
+        tl.store(row + 3, q_len, mask=active & writer)
+        if DETERMINISTIC:
+            tiles = cost // NUM_KV_HEADS
+            chunk = chunk_tiles(tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS)
+            chunks = tl.cdiv(tiles, chunk)
+            chunk_base = tl.cumsum(chunks, 0) - chunks + chunk_carry
+            tl.store(row + 4, chunk, mask=active & writer)
+            tl.store(row + 5, chunk_base, mask=active & writer)
+            tl.store(req_chunks_ptr + offs, chunks, mask=mask & writer)
+            tl.store(req_chunk_base_ptr + offs, chunk_base, mask=mask & writer)
+            several = chunks > 1
+            merge_rank = tl.cumsum(several.to(tl.int32), 0) - 1 + merge_carry
+            tl.store(merge_list_ptr + merge_rank, offs, mask=several & writer)
+            chunk_carry += tl.sum(chunks, 0)
+            merge_carry += tl.sum(several.to(tl.int32), 0)
         active_carry += tl.sum(active.to(tl.int32), 0)
-    first_cost_start = tl.where(first_req < batch_size, first_cost_start, total)
+    first_active, first_req, first_len, first_cost_start, first_tiles, first_chunk = _count_starts(
+        seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit, NUM_KV_HEADS,
+        BLOCK_N, BLOCK_B, BLOCK_C, MULTI_Q, MIN_CHUNK_TILES, MAX_CHUNKS)
+    if DETERMINISTIC:
+        # Move each start up to its segment's next chunk boundary (the segment's end at most,
+        # which is where the next segment starts), then find the request it falls in.
+        seg_lo = first_cost_start + (positions - first_cost_start) // tl.maximum(first_tiles, 1) * first_tiles
+        inside = tl.cdiv(positions - seg_lo, first_chunk) * first_chunk
+        positions = tl.where(first_req < batch_size, seg_lo + tl.minimum(inside, first_tiles), total)
+        first_active, first_req, first_len, first_cost_start, _, _ = _count_starts(
+            seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit,
+            NUM_KV_HEADS, BLOCK_N, BLOCK_B, BLOCK_C, MULTI_Q, MIN_CHUNK_TILES, MAX_CHUNKS)
     cta_mask = offs_c < num_ctas
     tl.store(cta_start_ptr + 4 * offs_c, first_active, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 1, first_req, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 2, first_len, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
+    tl.store(cta_pos_ptr + offs_c, positions, mask=cta_mask)
     if writer & (clamped > 0):
         tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
     if writer & (malformed > 0):
         tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+    if writer & overflow:
+        tl.atomic_or(error_ptr, INVARIANCE_LOST, sem="relaxed")
     if writer:
+        tl.store(cta_pos_ptr + num_ctas, total)
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
         tl.store(plan_scalars_ptr + 3, max_cost // NUM_KV_HEADS)
         tl.store(plan_scalars_ptr + 4, rows_end)
+        if DETERMINISTIC:
+            tl.store(merge_count_ptr, merge_carry)
 
 
 @triton.jit
