@@ -174,57 +174,67 @@ _DECODE_FP8 = {
 }
 
 
-# Speculative-verify rows: G x q_len query rows per tile (decode_launch.tile_rows) take more
-# accumulator registers than a decode row's 16, so rows of more tile rows than plain decode
-# run rows of their own, keyed by tile rows (docs/tuning.md "Decode, verify rows"). A class
-# lists the largest tile rows it serves (MAX_TILE_ROWS).
+# Speculative-verify rows: G x q_len query rows per tile (decode_launch.tile_rows), with a
+# causal mask per row, take more registers than a decode row, so they run rows of their own,
+# keyed by tile rows; each class lists up to the largest tile rows it serves
+# (``max_tile_rows``; docs/tuning.md "Decode, verify rows").
 _DECODE_VERIFY = {
     "sm90": {
-        "d64": {32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+        "d64": {16: DecodeConfig("sm90-d64-r16", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                 max_registers=168, programmatic_launch=True),
+                32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
                                  max_registers=128, programmatic_launch=True),
                 64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=8, num_stages=3, max_ctas_per_sm=2,
                                  max_registers=128, programmatic_launch=True),
                 128: DecodeConfig("sm90-d64-r128", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=2,
                                   max_registers=128, programmatic_launch=True)},
-        "d128": {32: DecodeConfig("sm90-d<=128-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+        "d128": {16: DecodeConfig("sm90-d<=128-r16", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                   max_registers=168, programmatic_launch=True),
-                 64: DecodeConfig("sm90-d<=128-r64", block_n=64, num_warps=8, num_stages=3, max_ctas_per_sm=2,
+                 32: DecodeConfig("sm90-d<=128-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                  max_registers=168, programmatic_launch=True),
+                 64: DecodeConfig("sm90-d<=128-r64", block_n=32, num_warps=8, num_stages=3, max_ctas_per_sm=2,
                                   max_registers=128, programmatic_launch=True),
                  128: DecodeConfig("sm90-d<=128-r128", block_n=32, num_warps=8, num_stages=3, max_ctas_per_sm=1,
                                    max_registers=224, programmatic_launch=True)},
-        "d256": {32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2,
+        "d256": {16: DecodeConfig("sm90-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2,
+                                  max_registers=224, programmatic_launch=True),
+                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2,
                                   max_registers=128, programmatic_launch=True),
                  64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
                                   max_registers=224, programmatic_launch=True)},
     },
     "sm80": {
-        "d64": {32: DecodeConfig("sm80-d64-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+        "d64": {16: DecodeConfig("sm80-d64-r16", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                32: DecodeConfig("sm80-d64-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
                 64: DecodeConfig("sm80-d64-r64", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=2),
                 128: DecodeConfig("sm80-d64-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
-        "d128": {32: DecodeConfig("sm80-d<=128-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+        "d128": {16: DecodeConfig("sm80-d<=128-r16", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                 32: DecodeConfig("sm80-d<=128-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
                  64: DecodeConfig("sm80-d<=128-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2),
                  128: DecodeConfig("sm80-d<=128-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
-        "d256": {32: DecodeConfig("sm80-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1),
+        "d256": {16: DecodeConfig("sm80-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                 32: DecodeConfig("sm80-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1),
                  64: DecodeConfig("sm80-d256-r64", block_n=16, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
     },
 }
 
 
 def max_tile_rows(arch: str, head_dim: int) -> int:
-    """The most packed rows (G x q_len, ``decode_launch.tile_rows``) a decode tile of this head
-    dim takes: 16 for the plain decode rows, more where verify rows exist."""
-    return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)], default=16)
+    """The most packed rows (G x q_len, ``decode_launch.tile_rows``) a verify tile of this head
+    dim takes."""
+    return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)])
 
 
-def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False, rows: int = 16) -> DecodeConfig:
-    """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache), for
-    tiles of ``rows`` packed rows: the decode row up to 16, a verify row above (rows a power
-    of two up to ``max_tile_rows``)."""
+def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False,
+                  rows: int | None = None) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache):
+    plain decode rows by default, speculative-verify rows of ``rows`` packed rows (a power of
+    two from 16 up to ``max_tile_rows``) when given."""
     key = head_dim_class(head_dim)
-    if rows > 16:
+    if rows is not None:
         verify = _DECODE_VERIFY[check_arch(arch)][key]
         if rows not in verify:
-            raise ValueError(f"rows: expected a power of two in 32..{max(verify)} for head dim {head_dim} on {arch}, "
+            raise ValueError(f"rows: expected a power of two in 16..{max(verify)} for head dim {head_dim} on {arch}, "
                              f"got {rows}")
         return verify[rows]
     if kv_fp8 and key in _DECODE_FP8.get(check_arch(arch), {}):

@@ -126,7 +126,7 @@ class DecodeAttention:
         self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
         self.arch = resolve_arch(arch, self.device)
         rows, most = launch.tile_rows(self.group_size, max_q_len), max_tile_rows(self.arch, head_dim)
-        if max_q_len > 1 and rows > max(most, launch.tile_rows(self.group_size)):
+        if max_q_len > 1 and rows > most:
             raise ValueError(f"max_q_len: {max_q_len} query tokens x G={self.group_size} heads make {rows} tile rows, "
                              f"past the {most} a head dim {head_dim} tile takes: use max_q_len <= "
                              f"{max(1, most // self.group_size)}")
@@ -183,12 +183,12 @@ class DecodeAttention:
         return launch.QueryRows(bucket, self._slot_rows, tree)
 
     def _bucket_config(self, bucket: int) -> DecodeConfig:
-        """The config of rows of up to ``bucket`` query tokens: the table's decode row while they
-        fit the rows of plain decode, else its verify row for their tile rows."""
-        rows = launch.tile_rows(self.group_size, bucket)
-        if self._forced_config is not None or rows <= launch.tile_rows(self.group_size):
+        """The config of rows of up to ``bucket`` query tokens: the table's decode row for plain
+        decode, its verify row for their tile rows else (or the config given)."""
+        if self._forced_config is not None or bucket == 1:
             return self.config
-        return decode_config(self.arch, self.head_dim, self.page_size, self._fp8, rows=rows)
+        return decode_config(self.arch, self.head_dim, self.page_size, self._fp8,
+                             rows=launch.tile_rows(self.group_size, bucket))
 
     def _allocate_schedule(self):
         i32 = dict(dtype=torch.int32, device=self.device)

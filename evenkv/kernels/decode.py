@@ -52,7 +52,7 @@ Token and slot offsets are int64 because ``slot * stride`` passes 2**31 for cach
 exact softmax attention; a row that sees no key (and no sink) is zeros.
 
 Memory safety does not depend on the batch data: a page id outside ``[0, num_pages)`` is
-never dereferenced (its K and V load as zeros: that request's result is wrong, and flagged);
+never dereferenced (its tokens are left out of their request's attention, and flagged);
 ``evenkv.kernels.plan.audit_pages_kernel``, once per plan, sets PAGE_OUT_OF_RANGE in the
 error flag for such ids, so the tile loops carry nothing for it. Lengths and query ranges
 were clamped by the planner; query rows at or past ``total_q`` (q's rows) are neither read
@@ -69,6 +69,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .error_bits import QUERY_OUT_OF_RANGE
 from .numerics import FP8_Q_PRESCALE, LOG2E, dot, narrow, soft_cap
+
 from .plan import ACTIVE_REQ_FIELDS, decode_query_rows, row_window, window_tiles
 
 
@@ -173,8 +174,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     cache is widened to q's dtype (fp16, see ``_load_q``) in registers, its scales folded
     into qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
     ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id lies outside [0,
-    num_pages) is not read: its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel``
-    flags it).
+    num_pages) is neither read nor seen: it is left out of the row's attention
+    (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
 
     Returns the new (m [ROWS] running base-2 max, l [ROWS] running sum, acc [ROWS,
     BLOCK_D] fp32 unnormalised)."""
@@ -185,9 +186,9 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     mask_n = tok < seq_len
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
     # One unsigned compare covers negative ids too.
-    page_ok = page.to(tl.uint32, bitcast=True) < num_pages
+    key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-    kv_mask = (mask_n & page_ok)[:, None] & mask_d[None, :]
+    kv_mask = key_ok[:, None] & mask_d[None, :]
     k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
     s = dot(q, tl.trans(k.to(q.dtype)))
     if SOFTCAP:
@@ -195,17 +196,14 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     else:
         s = s * qk_scale
     if MULTI_Q:
-        s = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
-                     float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later
-        # tokens) keeps acc = l = 0 instead of computing -inf - -inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        seen = key_ok[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE)
     else:
-        # Every row sees every key of the tile, one at least.
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = m_new
+        seen = key_ok[None, :]
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later tokens,
+    # a tile of bad pages) keeps acc = l = 0 instead of computing -inf - -inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
