@@ -571,7 +571,7 @@ def run_child(a, rows: list[dict]):
         print("[serving] " + " ".join(cmd), flush=True)
         t = time.time()
         proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+                                text=True, errors="replace", bufsize=1)
         server_log = ServerLog(proc)
         serve = lambda w: asyncio.run(http_serve(url, w, prompt_ids(w, vocab, a.seed)))  # noqa: E731
     try:

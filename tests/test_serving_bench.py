@@ -359,3 +359,18 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
     assert {r["status"] for r in rows if r["backend"] == "evenkv"} == {str(evenkv_cache)}
     assert [r["triton_cache"] for r in rows if r["backend"] == "fa3"] == ["cold", "warm", "warm", "warm"]
     assert (out / "summary.md").exists()
+
+
+def test_server_log_is_copied_and_its_first_line_timed(capfd):
+    import subprocess
+    import time
+
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3); print('server_args=...');"
+                             "print('ready \\xff')"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    log = serving.ServerLog(proc)
+    proc.wait(10)
+    log._thread.join(10)
+    assert log.first_line_at is not None and log.first_line_at - t0 >= 0.3
+    assert "server_args=...\nready" in capfd.readouterr().out
