@@ -220,7 +220,7 @@ def parse_choice_list(choices):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="evenkv bench", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_imbalance", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shape", type=parse_choice_list(SHAPES), default=(DEFAULT_SHAPE,),
                     help=f"comma list of shapes, or 'all' (default {DEFAULT_SHAPE}): " + ", ".join(
@@ -1001,7 +1001,7 @@ def main(argv=None) -> int:
         return list_impls(args)
     if not torch.cuda.is_available():
         print("[bench] no CUDA device: the benchmark times GPU kernels. Use --dry-run to see the sweep, or "
-              "`evenkv demo` for a CPU (Triton interpreter) correctness demo.", file=sys.stderr)
+              "`python -m evenkv demo` for a CPU (Triton interpreter) correctness demo.", file=sys.stderr)
         return 2
     impls, _ = discover(args, torch.device("cuda"))
     if not impls:

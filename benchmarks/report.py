@@ -722,7 +722,7 @@ def format_headline(h) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help="result CSVs or folders holding them")
     ap.add_argument("--out", default=None, help="where summary.md and the PNGs go")

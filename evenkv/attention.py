@@ -24,14 +24,14 @@ import torch
 from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
-                     resolve_kv_dtype, resolve_sm_scale)
+from .checks import (INDEX_DTYPES, PlanRecord, as_slots, check_attention_layout, check_batch_limits,
+                     check_batch_metadata, check_head_dim, check_kv_caches, check_policy, check_tensor,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+                     resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode_attention import POLICIES, DecodeAttention, DecodePlan
 from .errors import error_flag
-from .extend_attention import (SCHEDULES, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
-                               run_extend)
+from .extend_attention import SCHEDULES, check_lengths_on_host, run_extend
 from .planning import ExtendPlan, plan_extend
 
 
@@ -139,7 +139,6 @@ class Attention:
                  prefill_kernel: PrefillKernel | None = None, arch: str | None = None, debug: bool | None = None,
                  max_decode_q_len: int = 1, tree_masks: bool = False, **decode_kwargs):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
-        check_positive_int("head_dim", head_dim)
         check_head_dim(head_dim)
         check_policy(policy, POLICIES)
         if schedule not in SCHEDULES:
@@ -176,6 +175,7 @@ class Attention:
             self._cu_extend = torch.zeros(max_batch_size + 1, **i32)
             self._lens_extend = torch.zeros(max_batch_size, **i32)
         self._plan: AttentionPlan | None = None
+        self._plans = PlanRecord("Attention")
         self.warmed_up = False  # set by warmup()
         self._audit_pending = False
         self._errors = error_flag(self.device)
@@ -212,8 +212,7 @@ class Attention:
         self.warmed_up = True
 
     def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, sinks, index_dtypes) -> None:
-        self.decode.warmup(q, as_slots("k_cache", k_cache), as_slots("v_cache", v_cache), out=out, sinks=sinks,
-                           index_dtypes=index_dtypes)
+        self.decode.warmup(q, k_cache, v_cache, out=out, sinks=sinks, index_dtypes=index_dtypes)
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
@@ -262,7 +261,7 @@ class Attention:
         tree_mask: None (causal among a decode row's tokens) or [>= num_decode_tokens] int32:
             each decode query row's tree mask over its request's new tokens (``DecodeAttention.plan``).
         """
-        batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, self.device)
+        batch = check_batch_metadata(seq_lens, page_table, self.device, cu_seqlens_q)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -307,8 +306,8 @@ class Attention:
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
                                       schedule=self.schedule, req_begin=req_begin, order=self._order,
                                       sorted_start=self._sorted_start)
-        self._plan = AttentionPlan(batch, num_decodes, num_decode_tokens, decode_plan, extend_plan, delegated, seq_lens,
-                                   page_table, cu32)
+        self._plan = self._plans.add(AttentionPlan(batch, num_decodes, num_decode_tokens, decode_plan, extend_plan,
+                                                   delegated, seq_lens, page_table, cu32))
         self._audit_pending = True
         return self._plan
 
@@ -346,21 +345,14 @@ class Attention:
             default the constructor's. sinks, k_scale, v_scale: as ``DecodeAttention.run``.
         Returns out; rows past cu_seqlens_q[-1] are not written.
         """
-        if not isinstance(plan, AttentionPlan):
-            raise TypeError(f"plan: expected the AttentionPlan returned by plan(), got {type(plan).__name__}")
-        if plan is not self._plan:
-            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
-                             "buffers hold one plan at a time): plan this batch again")
+        self._plans.check(plan, AttentionPlan, self._plan)
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         check_tensor("q", q, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
         total_q = q.shape[0]
         if total_q < plan.num_decode_tokens:
             raise ValueError(f"q: expected at least num_decode_tokens={plan.num_decode_tokens} rows, got {total_q}")
-        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device)
-        if k_cache.shape[-2:] != (hkv, d):
-            raise ValueError(f"k_cache: expected [..., Hkv={hkv}, D={d}], got shape {tuple(k_cache.shape)}")
-        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device,
-                    shape=tuple(k_cache.shape))
+        check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
+                        num_kv_heads=hkv, head_dim=d)
         if (k_new is None) != (v_new is None):
             raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
                              f" and v_new={'None' if v_new is None else 'a tensor'}")
@@ -403,17 +395,6 @@ class Attention:
 def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """A [num_slots, Hkv, D] cache as [num_pages, page_size, Hkv, D] without a copy."""
     return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
-
-
-def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
-    """A [num_pages, page_size, Hkv, D] cache as [num_slots, Hkv, D] without a copy."""
-    if cache.dim() == 3:
-        return cache
-    try:
-        return cache.view(-1, cache.shape[2], cache.shape[3])
-    except RuntimeError as err:
-        raise ValueError(f"{name}: the decode rows need a cache that views as [num_slots, Hkv, D]; got shape "
-                         f"{tuple(cache.shape)} with strides {cache.stride()}") from err
 
 
 __all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

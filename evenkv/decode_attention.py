@@ -21,9 +21,10 @@ from evenkv.kernels import plan_launch
 from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
-                     check_fp8_capable, check_kv_scale, check_page_table, check_policy, check_positive_int, check_sinks,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
+                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_head_dim,
+                     check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
                       many_segments_config, max_tile_rows, resolve_arch, sm_count)
@@ -47,7 +48,9 @@ class DecodeAttention:
     Args:
         num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv; G = Hq / Hkv).
         head_dim: D, one of 64, 80, 96, 128, 256.
-        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks).
+        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks), the one
+            the caches and page tables were written with: a 4-D cache must show it, a 3-D one
+            cannot, so nothing checks it there (another page size reads the wrong slots).
         dtype: torch.float16 or torch.bfloat16 (q and output; the caches too unless kv_dtype).
         device: the CUDA device every workspace lives on (or the CPU under the Triton
             interpreter, ``TRITON_INTERPRET=1``).
@@ -93,7 +96,7 @@ class DecodeAttention:
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
-        check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
+        check_head_dim(head_dim)
         check_policy(policy, POLICIES)
         if num_ctas is not None:
             check_positive_int("num_ctas", num_ctas)
@@ -140,6 +143,7 @@ class DecodeAttention:
         # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
         self._pdl_capable = self._on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
         self._plan: DecodePlan | None = None
+        self._plans = PlanRecord("DecodeAttention")
         i32 = dict(dtype=torch.int32, device=self.device)
         self._plan_seq_lens = torch.zeros(max_batch_size, **i32)
         # Plain decode rows: request b's query is q row b (the plan's cu_seqlens when none is given).
@@ -302,11 +306,12 @@ class DecodeAttention:
         batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
         specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
 
-        q: [*, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; out: [*, Hq, D] (default: like q);
+        q: [*, Hq, D]; k_cache, v_cache: as ``run`` takes them; out: [*, Hq, D] (default: like q);
         sinks: the [Hq] sinks ``run`` will take, or None.
         Under the Triton interpreter nothing is compiled (the launches are no-ops).
         """
-        t = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out if out is not None else q, sinks=sinks,
+        t = dict(q=q, k_cache=as_slots("k_cache", k_cache), v_cache=as_slots("v_cache", v_cache),
+                 out=out if out is not None else q, sinks=sinks,
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
         s = self._schedule
         plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
@@ -355,9 +360,7 @@ class DecodeAttention:
         seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
             the page table with no sync.
         """
-        check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=self.device)
-        batch = seq_lens.shape[0]
-        check_page_table(page_table, batch, self.device)
+        batch = check_batch_metadata(seq_lens, page_table, self.device)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         check_positive_int("q_len", q_len)
         if q_len > self.max_q_len:
@@ -401,8 +404,8 @@ class DecodeAttention:
                 plan_fa3_units(visible_keys(plan_seq_lens, q_lens, self.sliding_window), self._schedule,
                                block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
         query = self._query(bucket, tree)
-        self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
-                                tree_mask if tree else self._no_tree, query, q_len)
+        self._plan = self._plans.add(DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
+                                                tree_mask if tree else self._no_tree, query, q_len))
         self._audit_pending = True
         return self._plan
 
@@ -416,7 +419,8 @@ class DecodeAttention:
         q: [B, Hq, D] for plain decode rows, [total_q, Hq, D] for rows of several query tokens
             (the rows cu_seqlens_q names; dtype of this object; unit stride in D).
         k_cache, v_cache: [num_slots, Hkv, D] of ``kv_dtype``, any strides but unit stride in
-            D; slot = page * page_size + offset.
+            D (slot = page * page_size + offset), or [num_pages, page_size, Hkv, D] where that
+            views as slots without a copy.
         out: optional output shaped like q (dtype of q).
         sm_scale: softmax scale of this call (a layer's); default the constructor's.
         sinks: None or [Hq] float32/bfloat16/float16 sink logits (gpt-oss): head h's softmax
@@ -429,10 +433,9 @@ class DecodeAttention:
         b, hq, hkv, d = plan.batch_size, self.num_q_heads, self.num_kv_heads, self.head_dim
         rows = b if plan.query.max_q_len == 1 else None
         check_tensor("q", q, shape=(rows, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
-        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.kv_dtype,), device=self.device,
-                     last_dim_contiguous=True)
-        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.kv_dtype,),
-                     device=self.device, last_dim_contiguous=True)
+        check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
+                        num_kv_heads=hkv, head_dim=d)
+        k_cache, v_cache = as_slots("k_cache", k_cache), as_slots("v_cache", v_cache)
         terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if b == 0 or q.shape[0] == 0:
@@ -497,11 +500,7 @@ class DecodeAttention:
 
     def check_plan(self, plan) -> None:
         """``plan`` must be this object's latest plan: older plans' schedules are overwritten."""
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan: expected the DecodePlan returned by plan(), got {type(plan).__name__}")
-        if plan is not self._plan:
-            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
-                             "schedule buffers hold one plan at a time): plan this batch again")
+        self._plans.check(plan, DecodePlan, self._plan)
 
 
 def q_len_buckets(max_q_len: int) -> list[int]:
@@ -548,17 +547,19 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
            v_scale: float = 1.0, **kwargs) -> torch.Tensor:
     """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
 
-    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] (q's dtype or FP8); seq_lens [B] int;
-    page_table [B, max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D]
+    (q's dtype or FP8; as ``DecodeAttention.run``); seq_lens [B] int; page_table [B,
+    max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
     kwargs as its constructor (sliding_window, logit_cap, ...). Returns [B, Hq, D]. Serving
     code should keep one DecodeAttention and reuse it (this allocates workspaces and
     compiles on first use).
     """
-    check_tensor("q", q, shape=(None, None, None))
-    check_tensor("k_cache", k_cache, shape=(None, None, None))
-    check_tensor("page_table", page_table, shape=(None, None))
-    attn = DecodeAttention(q.shape[1], k_cache.shape[1], q.shape[2], page_size, q.dtype, q.device,
-                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,
+    check_tensor("q", q, shape=(None, None, None), dtypes=SUPPORTED_DTYPES)
+    device = resolve_device(q.device, "q")
+    check_cache("k_cache", k_cache, page_size=None, dtypes=None, device=device)
+    batch = check_batch_metadata(seq_lens, page_table, device)
+    attn = DecodeAttention(q.shape[1], k_cache.shape[-2], q.shape[2], page_size, q.dtype, device,
+                           max(batch, 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,
                            kv_dtype=k_cache.dtype if k_cache.dtype in FP8_KV_DTYPES else None, **kwargs)
     return attn.run(attn.plan(seq_lens, page_table), q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale,
                     v_scale=v_scale)

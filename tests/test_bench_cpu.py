@@ -939,6 +939,26 @@ def test_python_m_evenkv_info():
     assert "config table sm" in p.stdout and "head_dim 128 page 16: decode sm" in p.stdout
 
 
+
+def test_python_m_evenkv_without_a_command_prints_usage(capsys):
+    from evenkv import cli
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: evenkv") and "demo" in err and "info" in err
+
+
+@pytest.mark.parametrize("name", ["decode_imbalance", "prefill", "read_floor", "report", "serving", "tune_decode"])
+def test_benchmark_usage_lines_name_the_real_command(name, monkeypatch, capsys):
+    """Each benchmark's --help shows the command that runs it from the checkout."""
+    import importlib
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"/somewhere/benchmarks/{name}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{name} ")
+
+
 # ----------------------------------------------------------------------------- the other benchmark tools
 
 def test_prefill_cpu_smoke_checks_every_point(tmp_path):
