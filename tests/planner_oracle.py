@@ -195,7 +195,7 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, con
     if (plan["max_tiles"] - 1 + piece - 1) // piece + 1 <= fused_pieces:  # the kernel's early exit
         return shares
     for j in range(1, num_ctas):
-        x, (k, b, seq_len, req_lo) = j * piece, (int(v) for v in cta_start[j])
+        x, (k, b, _, req_lo) = j * piece, (int(v) for v in cta_start[j])
         if k >= len(active):
             continue
         n = int(plan["tiles"][b])
