@@ -52,6 +52,11 @@ class PrefillKernel(Protocol):
     name: str
     supports_sinks: bool
 
+    def invariant(self) -> "PrefillKernel | None":
+        """The same kernel in a form whose result for a query row depends on its own request's
+        keys only, bitwise (batch and chunking invariant), for deterministic mode; None if it
+        has none."""
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
                  max_seq_len: int, sm_scale: float, sliding_window: int | None, logit_cap: float | None,
@@ -121,8 +126,10 @@ class Attention:
             k_scale / v_scale).
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
         prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
-            None for evenkv's Triton extend kernel. An FP8 cache and deterministic mode keep
-            the Triton kernel (``prefill_reason`` says which runs and why). The page audit
+            None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel;
+            deterministic mode takes the kernel's batch- and chunking-invariant form
+            (``PrefillKernel.invariant``) or, where it has none, the Triton kernel
+            (``prefill_reason`` says which runs and why). The page audit
             still reports bad page ids, but memory safety against them is then the engine
             kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
@@ -189,8 +196,11 @@ class Attention:
             return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, and {kernel.name} reads "
                           "an FP8 cache only with an FP8 query")
         if self.deterministic:
-            return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
-                          f"invariant by construction, which {kernel.name}'s is not known to be")
+            invariant = kernel.invariant()
+            if invariant is None:
+                return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
+                              f"and chunking invariant, which {kernel.name} is not known to be")
+            return invariant, f"{invariant.name} (the engine's prefill kernel, batch and chunking invariant)"
         return kernel, f"{kernel.name} (the engine's prefill kernel)"
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,

@@ -672,11 +672,16 @@ def test_gpu_mixed_batch_and_graph(no_tf32):
 class ReferencePrefill:
     """A PrefillKernel made of the fp32 reference: records each call's arguments."""
 
-    name = "reference prefill"
     supports_sinks = True
 
-    def __init__(self):
+    def __init__(self, invariant: bool | None = None):
+        """invariant: None, a kernel with no invariant form; False, one that has one; True, that form."""
         self.calls = []
+        self.has_invariant, self.is_invariant = invariant is not None, bool(invariant)
+        self.name = "invariant reference prefill" if self.is_invariant else "reference prefill"
+
+    def invariant(self):
+        return ReferencePrefill(invariant=True) if self.has_invariant else None
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window, logit_cap, sinks):
@@ -737,6 +742,18 @@ def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
     batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, prefill_kernel=ReferencePrefill(), **kw)
     assert attn.prefill_kernel is None and why in attn.prefill_reason and "Triton" in attn.prefill_reason
+
+
+def test_deterministic_mode_takes_the_invariant_prefill(device):
+    """Deterministic mode runs extend rows on the engine kernel's batch- and chunking-invariant
+    form (FA3 with one KV split) where it has one, and says so."""
+    batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
+    attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, prefill_kernel=ReferencePrefill(invariant=False),
+                           deterministic=True)
+    assert attn.prefill_kernel.is_invariant and "batch and chunking invariant" in attn.prefill_reason
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=1, max_q_len=6)
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
+    assert attn.prefill_kernel.calls and assert_tolerance(out, *reference_pair(batch, 16), torch.float16) is None
 
 
 def test_prefill_switch(monkeypatch):

@@ -17,21 +17,34 @@ from evenkv.attention import engine_prefill_wanted
 logger = logging.getLogger("evenkv")
 
 
+# FA3 with one KV split walks each query block's keys in one fixed order, so a query row's
+# result depends only on its own request's keys: bitwise the same alone or in any batch, and
+# prefilled in one chunk or several (tests/gpu/test_prefill_invariance.py, on the H200).
+# With its own split count it is batch invariant but not chunking invariant.
+INVARIANT_NUM_SPLITS = 1
+
+
 class VllmFlashAttention:
     """vLLM's own FlashAttention (``vllm.vllm_flash_attn``: FA3 on Hopper, FA2 elsewhere, what
-    its FLASH_ATTN backend runs) as evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
+    its FLASH_ATTN backend runs) as evenkv's prefill kernel (``evenkv.attention.PrefillKernel``).
+    num_splits: FA's KV splits, 0 = its own choice."""
 
-    def __init__(self, varlen, fa_version: int):
-        self.varlen, self.fa_version = varlen, fa_version
-        self.name = f"FA{fa_version} (vllm.vllm_flash_attn)"
+    def __init__(self, varlen, fa_version: int, num_splits: int = 0):
+        self.varlen, self.fa_version, self.num_splits = varlen, fa_version, num_splits
+        self.name = f"FA{fa_version} (vllm.vllm_flash_attn{', one KV split' if num_splits == 1 else ''})"
         self.supports_sinks = fa_version >= 3  # FA2 has no sink term
+
+    def invariant(self) -> "VllmFlashAttention | None":
+        """This kernel made batch and chunking invariant (FA3 with one KV split), or None (FA2:
+        not checked)."""
+        return VllmFlashAttention(self.varlen, 3, INVARIANT_NUM_SPLITS) if self.fa_version == 3 else None
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None):
         self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
                     seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
                     window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=sinks,
-                    block_table=page_table, fa_version=self.fa_version)
+                    block_table=page_table, fa_version=self.fa_version, num_splits=self.num_splits)
 
 
 def fa_window(sliding_window: int | None) -> tuple[int, int]:
@@ -62,17 +75,22 @@ class SGLangFlashAttention:
     """SGLang's own FA3 (``flash_attn_with_kvcache``, what its ``fa3`` backend runs on Hopper) as
     evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
 
-    name = "FA3 (SGLang's flash_attn_with_kvcache)"
     supports_sinks = True
 
-    def __init__(self, with_kvcache):
-        self.with_kvcache = with_kvcache
+    def __init__(self, with_kvcache, num_splits: int = 0):
+        self.with_kvcache, self.num_splits = with_kvcache, num_splits
+        self.name = f"FA3 (SGLang's flash_attn_with_kvcache{', one KV split' if num_splits == 1 else ''})"
+
+    def invariant(self) -> "SGLangFlashAttention":
+        """This kernel made batch and chunking invariant: FA3 with one KV split."""
+        return SGLangFlashAttention(self.with_kvcache, INVARIANT_NUM_SPLITS)
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None):
         self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
-                          window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out)
+                          window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out,
+                          num_splits=self.num_splits)
 
 
 def sglang_flash_attention(device) -> SGLangFlashAttention | None:
