@@ -78,7 +78,8 @@ _FLAG_REASONS = {
     "use_non_causal": "non-causal (bidirectional) decoder attention is not supported",
     "use_pcp": "prefill context parallelism is not supported",
     "use_dcp": "decode context parallelism is not supported: evenkv returns no LSE for the cross-rank merge",
-    "use_adaptive_verification": "adaptive verification is not supported: evenkv plans from the host query lengths",
+    "use_adaptive_verification": "adaptive verification (DSpark) is not supported: evenkv picks each step's decode "
+                                 "kernel from the host query lengths, which it trims on the device",
     "use_rswa": "reference sliding-window attention (R-SWA) is not supported",
 }
 # vLLM's seq_lens and query_start_loc are int32 in both model runners and their drafters:
@@ -269,15 +270,29 @@ class EvenKVMetadata:
     plans: dict[LayerKind, tuple[Attention, AttentionPlan]]
 
 
+def spec_decode_q_len(vllm_config) -> int:
+    """The most query tokens of a request vLLM counts as a decode under speculative decoding
+    (1 without): 1 + k for a verify row of k draft tokens, 1 + 2k under V1's parallel
+    drafting. vLLM 0.33 computes it (``max_decode_query_len``); 0.26 inlines its formula in
+    ``_init_reorder_batch_threshold``, mirrored here."""
+    try:
+        from vllm.v1.attention.backend import max_decode_query_len
+    except ImportError:  # vLLM 0.26
+        spec = vllm_config.speculative_config
+        if spec is None or spec.num_speculative_tokens is None:
+            return 1
+        return 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
+    return max_decode_query_len(vllm_config)
+
+
 def verify_q_len(vllm_config) -> tuple[int, str]:
     """(q, why): with speculative decoding whose verify rows the decode kernels take, q = the
-    most query tokens of one verify row (1 + k draft tokens, 1 + 2k with parallel drafting:
-    what vLLM's ``_init_reorder_batch_threshold`` counts as a decode); else q = 1 and the
-    verify rows, if any, run with the prefill rows. ``why`` is the start-up log's line."""
+    most query tokens of one verify row (``spec_decode_q_len``); else q = 1 and the verify
+    rows, if any, run with the prefill rows. ``why`` is the start-up log's line."""
     spec = vllm_config.speculative_config
-    if spec is None or not spec.num_speculative_tokens:
+    q_len = spec_decode_q_len(vllm_config)
+    if q_len == 1:
         return 1, "no speculative decoding"
-    q_len = 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
     if q_len > MAX_DECODE_Q_LEN:
         return 1, (f"speculative decoding ({spec.method}): verify rows of {q_len} query tokens run with the "
                    f"prefill rows (the decode kernels take up to {MAX_DECODE_Q_LEN}); full CUDA graphs for "
@@ -570,4 +585,4 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
 
 
 __all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "LayerKind",
-           "kv_cache_slot_views", "verify_q_len", "KERNEL_BLOCK_SIZES", "POLICY_ENV", "VLLM_INDEX_DTYPE"]
+           "kv_cache_slot_views", "spec_decode_q_len", "verify_q_len", "KERNEL_BLOCK_SIZES", "POLICY_ENV", "VLLM_INDEX_DTYPE"]

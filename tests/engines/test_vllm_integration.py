@@ -657,12 +657,15 @@ def test_speculative_configs_make_verify_rows_decode_rows(cpu_platform, checkpoi
 
     config = speculative_config(checkpoints, name)
     spec = config.speculative_config
-    q_len = 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
-    assert verify_q_len(config)[0] == q_len
+    q_len, reason = verify_q_len(config)
+    # vLLM's own count: 1 + k, or 1 + 2k under the V1 runner's parallel drafting.
+    assert q_len == 1 + (2 if spec.parallel_drafting and not config.use_v2_model_runner else 1) * \
+        spec.num_speculative_tokens
+    assert f"verify rows of up to {q_len} query tokens run on the decode kernels" in reason
     kv_spec = _spec(torch.bfloat16)
     assert EvenKVMetadataBuilder.get_cudagraph_support(config, kv_spec) is AttentionCGSupport.UNIFORM_BATCH
     builder = EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)
-    assert builder.reorder_batch_threshold == q_len
+    assert builder.reorder_batch_threshold == q_len  # vLLM's _init_reorder_batch_threshold agrees
     assert attention_of(builder).max_decode_q_len == q_len
     # A uniform verify batch padded as vLLM pads it for a full graph: decode rows only.
     cam = _cam([q_len] * 2, [40, q_len], device, num_reqs_padding=2)
@@ -922,11 +925,13 @@ def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, devi
     """A Qwen3-8B attention layer (32 q / 8 KV heads of 128, bf16, pages of 16) under vLLM's
     H200 defaults (max_num_seqs 1024): the dummy run before serving compiles what evenkv can
     launch for vLLM's batches (counted below, kernel by kernel), and no later step, with or
-    without speculation, launches anything else."""
+    without speculation (n-gram, 3 draft tokens), launches anything else."""
     import collections
     import dataclasses
 
+    from evenkv.configs import extend_configs
     from evenkv.integrations import vllm_backend
+    from evenkv.kernels.plan_launch import plan_block_buckets
 
     if prefill == "engine":
         monkeypatch.setattr(vllm_backend, "vllm_flash_attention", lambda device: _EnginePrefill())
@@ -948,7 +953,23 @@ def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, devi
     impl.do_kv_cache_update(layer, key, key, layer.kv_cache, slots)
     impl.forward(layer, query, key, key, layer.kv_cache, None, torch.empty_like(query))
     assert attention_of(builder).warmed_up
-    print(collections.Counter(name for name, _, _ in recorder.compiled))
+    # What can run, for vLLM's int32 lengths and int64 slots only (under the interpreter both
+    # decode configs have one grid, so their plan kernels coincide):
+    chunks = len(plan_block_buckets(1024))  # the plan kernels' batch chunks: 128, 256, 512, 1024
+    row_kinds = 1 if speculation is None else 2  # single-token rows, + verify rows (1-4 tokens)
+    expected = {
+        "kv_write_kernel": 1,
+        "audit_pages_kernel": chunks,
+        "plan_stream_kernel": chunks * row_kinds,
+        # single-token rows: the decode row and the many-segments row; verify rows of 2 and
+        # of 4 tokens (x G = 4 heads) share one 16-row tile
+        "decode_stream_kernel": 1 + row_kinds,
+        "merge_stream_kernel": row_kinds,
+    }
+    if prefill == "triton":  # each extend config a batch can pick, its plan and kernel
+        configs = len(extend_configs(attention_of(builder).arch, 128, 4))
+        expected.update(extend_plan_kernel=configs, extend_kernel=configs)
+    assert collections.Counter(name for name, _, _ in recorder.compiled) == expected
     _random_steps(builder, impl, layer, torch.Generator().manual_seed(0), device, steps=30, hq=hq, hkv=hkv, d=d,
                   num_blocks=num_blocks, drafts=speculation is not None)
     missing = {key for key in recorder.launched if key not in recorder.compiled}
