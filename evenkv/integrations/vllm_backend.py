@@ -348,14 +348,22 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         prefill = vllm_flash_attention(device)
         self.attentions = {}
         for kind, impls in layer_kinds(vllm_config, layer_names).items():
-            attention = Attention(
-                num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
-                max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-                policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
-                kv_dtype=torch.float8_e4m3fn if fp8 else None,
-                prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
-                deterministic=True if vllm_batch_invariant() else None, max_total_tokens=kv_pool_tokens(vllm_config),
-                max_decode_q_len=self.reorder_batch_threshold)
+            try:
+                attention = Attention(
+                    num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
+                    max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+                    policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
+                    kv_dtype=torch.float8_e4m3fn if fp8 else None,
+                    prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
+                    deterministic=True if vllm_batch_invariant() else None,
+                    max_total_tokens=kv_pool_tokens(vllm_config), max_decode_q_len=self.reorder_batch_threshold)
+            except ValueError as err:
+                if self.reorder_batch_threshold == 1:
+                    raise
+                # The speculative config is the one thing vLLM's selector does not validate.
+                raise NotImplementedError(f"evenkv: {verify_reason}, which its decode kernels cannot take for "
+                                          f"{num_q_heads} query heads per {kv_cache_spec.num_kv_heads} KV heads of "
+                                          f"{head_size}: {err}; use fewer speculative tokens") from err
             self.attentions[kind] = attention
             for impl in impls.values():
                 if impl is not None:

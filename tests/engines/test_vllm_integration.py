@@ -257,7 +257,7 @@ def checkpoints(tmp_path_factory):
     """Config-only checkpoints (no weights, no tokenizer), by name: the Qwen3 target (HQ/HKV/D
     as above), a Llama target with an EAGLE and an EAGLE-3 draft of the same attention
     shape, a GLM-4.5-style target with one MTP layer; and the head counts of Qwen3-8B (32 q /
-    8 KV heads) and Llama-3-70B (64 / 8), for tensor parallelism."""
+    8 KV heads), Llama-3-70B (64 / 8) and Qwen3-235B-A22B (64 / 4)."""
     from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config
 
     small = dict(vocab_size=256, intermediate_size=128, num_hidden_layers=1, max_position_embeddings=MAX_MODEL_LEN)
@@ -274,6 +274,8 @@ def checkpoints(tmp_path_factory):
                                       head_dim=128, architectures=["Qwen3ForCausalLM"]),
         "llama-70b-heads": LlamaConfig(**small, hidden_size=64 * 128, num_attention_heads=64, num_key_value_heads=8,
                                        head_dim=128, architectures=["LlamaForCausalLM"]),
+        "qwen3-235b-heads": Qwen3Config(**small, hidden_size=64 * 128, num_attention_heads=64, num_key_value_heads=4,
+                                        head_dim=128, architectures=["Qwen3ForCausalLM"]),
     }
     root = tmp_path_factory.mktemp("checkpoints")
     for name, config in configs.items():
@@ -630,8 +632,10 @@ SPECULATIVE = {
 }
 
 
-def speculative_config(checkpoints, name, **overrides):
-    target, speculative = SPECULATIVE[name]
+def speculative_config(checkpoints, name, target=None, **overrides):
+    """A VllmConfig speculating as SPECULATIVE[name] (on another target checkpoint with ``target``)."""
+    default_target, speculative = SPECULATIVE[name]
+    target = target or default_target
     speculative = {**speculative, **overrides}
     if "model" in speculative:
         speculative["model"] = checkpoints[speculative["model"]]
@@ -699,6 +703,17 @@ def test_verify_rows_past_the_decode_kernels_run_with_the_prefill_rows(cpu_platf
     md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
     assert (md.num_decodes, md.num_prefills, md.decode_q_len) == (1, 2, 1)
     _assert_matches_reference(batch, output)
+
+
+def test_verify_rows_too_tall_for_the_decode_tiles_are_refused(cpu_platform, checkpoints, device):
+    """16 verify tokens x 16 query heads per KV head (Qwen3-235B) are more tile rows than a
+    decode tile holds: the builder refuses, saying so in vLLM's terms; 8 tokens fit."""
+    kv_spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    config = speculative_config(checkpoints, "ngram", target="qwen3-235b-heads", num_speculative_tokens=15)
+    with pytest.raises(NotImplementedError, match="verify rows of up to 16 query tokens.*use fewer speculative"):
+        EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)
+    config = speculative_config(checkpoints, "ngram-k7", target="qwen3-235b-heads")
+    assert attention_of(EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)).max_decode_q_len == 8
 
 
 @pytest.mark.parametrize("q_lens,seq_lens,num_tokens,padded_reqs,expect", [
