@@ -1,17 +1,21 @@
 """vLLM integration (evenkv.integrations.vllm*) against the real vLLM classes.
 
-CPU lane: needs vLLM installed (``bash tests/envs/vllm.sh VENV``, vLLM 0.26.0 with
---no-deps on a CPU torch); skipped, saying so, when ``vllm`` is not importable. Real
+CPU lane: needs vLLM installed (``bash tests/envs/vllm.sh VENV``, vLLM 0.26.0 or 0.33.0
+with --no-deps on a CPU torch); skipped, saying so, when ``vllm`` is not importable. Real
 ``load_general_plugins``, ``AttentionConfig``, ``AttentionSelectorConfig``,
-``VllmConfig`` (a local config-only Qwen3 checkpoint), ``FullAttentionSpec``,
-``CommonAttentionMetadata`` and ``split_decodes_and_prefills``; kernels run in the
-Triton interpreter, tiny shapes. The KV cache is allocated
-the way vLLM's model runner does it (logical shape permuted by the backend's stride
-order); expected outputs come from the fp32 oracle ``extend_reference`` over a plain
-slot cache the test fills itself, with the tolerance rule of helpers.py.
+``VllmConfig`` (local config-only checkpoints), ``SpeculativeConfig`` (n-gram, EAGLE,
+EAGLE-3, MTP), ``ParallelConfig`` with the attention modules of Qwen3 and Llama built as
+one rank of a tensor-parallel group, ``FullAttentionSpec``, ``CommonAttentionMetadata``
+and ``split_decodes_and_prefills``; kernels run in the Triton interpreter, tiny shapes.
+The KV cache is allocated the way vLLM's model runner does it (logical shape permuted by
+the backend's stride order); expected outputs come from the fp32 oracle
+``extend_reference`` over a plain slot cache the test fills itself, with the tolerance
+rule of helpers.py. Start-up compiles are counted by recording the launchers
+(``test_specialization``).
 
 GPU lane (``pytest -m gpu``, on the device with the vLLM kit sourced): the same batch at
-bf16, and a decode step captured in a CUDA graph and replayed after a re-plan.
+bf16, a decode step and a verify step captured in a CUDA graph and replayed after a
+re-plan, and Triton's compile count over random steps after the dummy run.
 
 vLLM's CUDA wheel on a CPU torch: ``CUDA_VISIBLE_DEVICES`` must be empty before vLLM is
 imported (else ``vllm.triton_utils`` sees no active driver and disables triton), and a
