@@ -775,6 +775,18 @@ def test_verify_rows_on_every_layer_kind(cpu_platform, checkpoints, device, monk
         _assert_matches_reference(batch, output, **terms)
 
 
+def test_verify_rows_over_an_fp8_cache(ngram_config, device):
+    """--kv-cache-dtype fp8 with speculation: verify rows read the e4m3 cache with the layer's scales."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+    builder = EvenKVMetadataBuilder(spec, ["l0"], ngram_config, device)
+    layer = SimpleNamespace(_k_scale_float=0.25, _v_scale_float=0.5)
+    batch = MixedBatch([1, 4, 3, 7], [70, 16, 21, 7], torch.float16, device, num_tokens=20, seed=13)
+    batch.to_fp8(0.25, 0.5)
+    md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="fp8"), batch, layer)
+    assert (md.num_decodes, md.decode_q_len) == (3, 4)
+    _assert_matches_reference(batch, output, k_scale=0.25, v_scale=0.5)
+
+
 def test_drafting_builds(cpu_platform, checkpoints, device, caplog):
     """An EAGLE drafter's steps (``build_for_drafting``: fast_build) as vLLM's V1 proposer
     makes them: the target's verify batch first, then one query token per request on
