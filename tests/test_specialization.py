@@ -142,3 +142,52 @@ def test_the_check_sees_a_new_specialization(device, recorder):
     attn.run(attn.plan(torch.ones(2, dtype=torch.int64, device=device), table), q[:2], k_cache, v_cache)
     with pytest.raises(AssertionError, match="not compiled at warm-up"):
         _assert_covered(recorder)
+
+
+@pytest.mark.parametrize("engine", ["vllm-like", "sglang-like"])
+def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engine):
+    """Steps of a speculating engine after the warm-up its adapter does (``max_decode_q_len`` =
+    1 + k draft tokens, k = 3). vLLM-like: pages of 16, the cache read for every row, int32
+    lengths only; decode rows of 1 to 1 + k query tokens (verify rows, short prefill chunks)
+    then padding requests (q_len 0, seq_len 0) or prefill rows. SGLang-like: page 1, new
+    tokens in k_new/v_new, int32 and int64 lengths; uniform verify batches, plain decode
+    batches and extend batches. Both engines' cu_seqlens_q are int32."""
+    vllm = engine == "vllm-like"
+    page_size, max_batch, width, verify = (16, 300, 64, 4) if vllm else (1, 300, 1024, 4)
+    q, k_new, v_new, k_cache, v_cache = _tensors(device, page_size, packed=vllm)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width,
+                            max_decode_q_len=verify)
+    new = {} if vllm else dict(k_new=k_new, v_new=v_new)
+    index_dtypes = (torch.int32,) if vllm else (torch.int32, torch.int64)
+    attn.warmup(q, k_cache, v_cache, out=out, index_dtypes=index_dtypes, **new)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(40):
+        batch = int(torch.randint(1, max_batch // verify + 1, (1,), generator=gen))
+        kind = step % 3  # 0: uniform verify, 1: decode rows of any length (vLLM) / plain decode, 2: with prefills
+        if kind == 0:
+            q_lens, decodes = [verify] * batch, batch
+        elif kind == 1:
+            q_lens = torch.randint(1, verify + 1, (batch,), generator=gen).tolist() if vllm else [1] * batch
+            decodes = batch
+        else:
+            decodes = int(torch.randint(0, batch + 1, (1,), generator=gen)) if vllm else 0
+            q_lens = (torch.randint(1, verify + 1, (decodes,), generator=gen).tolist() +
+                      torch.randint(verify + 1, 3 * verify, (batch - decodes,), generator=gen).tolist())
+        padding = int(torch.randint(0, 3, (1,), generator=gen)) if vllm and decodes == batch else 0
+        q_lens += [0] * padding
+        decodes += padding
+        dtype = index_dtypes[step % len(index_dtypes)]
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        seq_lens = [q_len + int(torch.randint(0, width * page_size - q_len + 1, (1,), generator=gen)) if q_len else 0
+                    for q_len in q_lens]
+        seq_lens = torch.tensor(seq_lens, dtype=dtype, device=device)
+        table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=device)
+        decode_q_len = max(q_lens[:decodes], default=1) or 1
+        decode_tokens = {} if decode_q_len == 1 else dict(num_decode_tokens=int(cu[decodes]))
+        plan = attn.plan(cu, seq_lens, table, num_decodes=decodes, max_q_len=max(q_lens),
+                         decode_q_len=decode_q_len, **decode_tokens)
+        total = int(cu[-1])
+        attn.run(plan, q[:total], k_cache, v_cache, out=out[:total],
+                 **{name: tensor[:total] for name, tensor in new.items()})
+    _assert_covered(recorder)

@@ -5,14 +5,16 @@ Three classes, as vLLM expects:
 * ``EvenKVBackend`` declares what evenkv serves (dtypes, head sizes, page sizes, the KV
   layout) and refuses the rest in ``validate_configuration`` with every reason at once.
 * ``EvenKVMetadataBuilder`` runs once per step and KV-cache group, outside any CUDA
-  graph. vLLM orders the batch decode first (the builder asks for it with a reorder
-  threshold of 1; the V2 model runner always does it); ``build`` finds the split and
-  plans the whole batch once per layer kind (``LayerKind``: sliding window, soft-cap,
-  sinks; gpt-oss alternates two) with an ``evenkv.Attention`` each: decode rows (q_len 1)
-  on the balanced decode schedule, the other rows (prefill chunks, spec-verify rows) on
-  the engine's FlashAttention or evenkv's extend kernel. Every plan buffer is allocated in
-  ``__init__``, sized from ``scheduler_config.max_num_seqs`` and ``max_model_len``, and
-  refilled in place.
+  graph. vLLM orders the batch decode first (the builder asks for it with its reorder
+  threshold; the V2 model runner always does it); ``build`` finds the split and plans the
+  whole batch once per layer kind (``LayerKind``: sliding window, soft-cap, sinks; gpt-oss
+  alternates two) with an ``evenkv.Attention`` each: decode rows on the balanced decode
+  schedule, the other rows (prefill chunks) on the engine's FlashAttention or evenkv's
+  extend kernel. Decode rows have one query token, or with speculative decoding up to
+  1 + k (the verify rows of k draft tokens: the reorder threshold is then 1 + k). Every
+  plan buffer is allocated in ``__init__``, sized from ``scheduler_config.max_num_seqs``
+  and ``max_model_len``, and refilled in place. Drafting builds (``fast_build``: an
+  EAGLE / MTP drafter's steps) are the same plan, without the step's error poll.
 * ``EvenKVImpl`` (one per layer) writes the new K/V with evenkv's KV-write kernel in
   ``do_kv_cache_update`` (vLLM runs it before ``forward``) and runs the planned batch in
   ``forward``.
@@ -24,11 +26,16 @@ kernels take (slot = block * block_size + offset, vLLM's ``slot_mapping``). With
 ``--kv-cache-dtype fp8`` (e4m3) vLLM allocates it as uint8, viewed here as
 float8_e4m3fn, and passes each layer's per-tensor ``_k_scale_float`` / ``_v_scale_float``.
 
-CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``. A pure-decode step (padded to a capture
-size; padding rows have seq_len 0 and are skipped by the kernels) replays a FULL graph:
-``build`` replans on the GPU into the same buffers before the replay, and the captured
-kernels read those buffers plus vLLM's persistent block table. Mixed steps run the
-attention eagerly (piecewise graphs or none).
+CUDA graphs: ``UNIFORM_SINGLE_TOKEN_DECODE``, or ``UNIFORM_BATCH`` with speculative
+decoding (verify steps of 1 + k tokens per request). A uniform decode step (padded to a
+capture size; padding requests have q_len 0 and seq_len 0 and are skipped by the
+kernels) replays a FULL graph: ``build`` replans on the GPU into the same buffers before
+the replay, and the captured kernels read those buffers plus vLLM's persistent block
+table. Mixed steps run the attention eagerly (piecewise graphs or none).
+
+Start-up: the first call of each layer that holds the real tensors (vLLM's warm-up and
+dummy runs, before it serves) compiles every kernel variant a later batch can launch,
+for vLLM's int32 lengths (``Attention.warmup``), once per layer kind and builder.
 
 Interfaces: vLLM 0.26.0 and 0.33.0 (``docs/design.md``, "Engines").
 """
@@ -46,6 +53,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
 
 from evenkv.configs import graph_capturing
+from evenkv.decode_attention import MAX_DECODE_Q_LEN
 from evenkv.errors import ErrorWatcher
 from evenkv.integrations.prefill import vllm_flash_attention
 
@@ -70,9 +78,13 @@ _FLAG_REASONS = {
     "use_non_causal": "non-causal (bidirectional) decoder attention is not supported",
     "use_pcp": "prefill context parallelism is not supported",
     "use_dcp": "decode context parallelism is not supported: evenkv returns no LSE for the cross-rank merge",
-    "use_adaptive_verification": "adaptive verification is not supported: evenkv plans from the host query lengths",
+    "use_adaptive_verification": "adaptive verification (DSpark) is not supported: evenkv picks each step's decode "
+                                 "kernel from the host query lengths, which it trims on the device",
     "use_rswa": "reference sliding-window attention (R-SWA) is not supported",
 }
+# vLLM's seq_lens and query_start_loc are int32 in both model runners and their drafters:
+# start-up compiles the kernels for int32 lengths only.
+VLLM_INDEX_DTYPE = torch.int32
 # KV connectors move whole blocks (the layout is vLLM's standard NHD); batch-invariant mode
 # selects evenkv's deterministic decode (the builder reads vLLM's switch); each layer's
 # sliding window reaches its LayerKind.
@@ -231,8 +243,11 @@ class EvenKVMetadata:
 
     num_actual_tokens: rows of q/output to compute (vLLM may pad it; padding rows sit in
         no request and are not written).
-    num_decodes / num_decode_tokens: requests [0, num_decodes) are decode rows, q rows
-        [0, num_decodes); num_prefills / num_prefill_tokens: the rest (extend kernel).
+    num_decodes / num_decode_tokens: requests [0, num_decodes) are decode rows, on q rows
+        [0, num_decode_tokens) (vLLM's split; padding tokens count); num_prefills /
+        num_prefill_tokens: the rest (the prefill kernel).
+    decode_q_len: the most query tokens of one decode row this step (1; up to 1 + k for
+        speculative verify rows), from the host query_start_loc.
     query_start_loc [B+1] int32, seq_lens [B] int32 (KV length including this step's
         tokens), block_table [B, max_pages] int32, slot_mapping [T] int64: vLLM's tensors.
     plans: per layer kind of the group, its ``evenkv.Attention`` and the plan ``build`` made,
@@ -247,6 +262,7 @@ class EvenKVMetadata:
     num_decode_tokens: int
     num_prefills: int
     num_prefill_tokens: int
+    decode_q_len: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -254,21 +270,63 @@ class EvenKVMetadata:
     plans: dict[LayerKind, tuple[Attention, AttentionPlan]]
 
 
+def spec_decode_q_len(vllm_config) -> int:
+    """The most query tokens of a request vLLM counts as a decode under speculative decoding
+    (1 without): 1 + k for a verify row of k draft tokens, 1 + 2k under V1's parallel
+    drafting. vLLM 0.33 computes it (``max_decode_query_len``); 0.26 inlines its formula in
+    ``_init_reorder_batch_threshold``, mirrored here."""
+    try:
+        from vllm.v1.attention.backend import max_decode_query_len
+    except ImportError:  # vLLM 0.26
+        spec = vllm_config.speculative_config
+        if spec is None or spec.num_speculative_tokens is None:
+            return 1
+        return 1 + (2 if spec.parallel_drafting else 1) * spec.num_speculative_tokens
+    return max_decode_query_len(vllm_config)
+
+
+def verify_q_len(vllm_config) -> tuple[int, str]:
+    """(q, why): with speculative decoding whose verify rows the decode kernels take, q = the
+    most query tokens of one verify row (``spec_decode_q_len``); else q = 1 and the verify
+    rows, if any, run with the prefill rows. ``why`` is the start-up log's line."""
+    spec = vllm_config.speculative_config
+    q_len = spec_decode_q_len(vllm_config)
+    if q_len == 1:
+        return 1, "no speculative decoding"
+    if q_len > MAX_DECODE_Q_LEN:
+        return 1, (f"speculative decoding ({spec.method}): verify rows of {q_len} query tokens run with the "
+                   f"prefill rows (the decode kernels take up to {MAX_DECODE_Q_LEN}); full CUDA graphs for "
+                   "single-token decode steps only")
+    return q_len, (f"speculative decoding ({spec.method}, {spec.num_speculative_tokens} draft tokens): verify rows "
+                   f"of up to {q_len} query tokens run on the decode kernels")
+
+
 class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
     """Splits each batch into decode and extend rows and plans it once for all layers.
 
-    Host work per step: the split (from vLLM's host ``query_start_loc``) and a few
-    tensor views; GPU work: evenkv's plan kernels (no sync, no allocation).
+    Host work per step: the split and the decode rows' largest query length (from vLLM's
+    host ``query_start_loc``) and a few tensor views; GPU work: evenkv's plan kernels (no
+    sync, no allocation).
     """
 
-    # Full graphs for pure-decode steps; mixed steps run attention eagerly.
+    # Full graphs for uniform decode steps (get_cudagraph_support); mixed steps run attention eagerly.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """``UNIFORM_BATCH`` where verify rows are decode rows (a verify step of 1 + k tokens
+        per request is one full graph), else ``UNIFORM_SINGLE_TOKEN_DECODE``."""
+        if verify_q_len(vllm_config)[0] > 1:
+            return AttentionCGSupport.UNIFORM_BATCH
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Decode rows (q_len 1) first: the decode plan takes a prefix of the batch.
-        # Spec-verify rows (q_len > 1) are not decodes here; they go to the extend kernel.
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # Decode rows first: requests of at most reorder_batch_threshold query tokens, 1, or
+        # 1 + k with speculative decoding (verify rows; short prefill chunks join them: causal
+        # rows on a cached prefix, as verify rows are).
+        verify, verify_reason = verify_q_len(vllm_config)
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=verify > 1)
         from evenkv.attention import Attention  # lazy: the plugin's register() stays light
         from evenkv.decode_attention import POLICIES
 
@@ -289,66 +347,101 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         dtype = model_config.dtype if fp8 else kv_cache_spec.dtype  # a 16-bit cache is in the model dtype
         prefill = vllm_flash_attention(device)
         self.attentions = {}
-        for kind, names in layer_kinds(vllm_config, layer_names).items():
-            attention = Attention(
-                num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
-                max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-                policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
-                kv_dtype=torch.float8_e4m3fn if fp8 else None,
-                prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
-                deterministic=True if vllm_batch_invariant() else None, max_total_tokens=kv_pool_tokens(vllm_config))
+        for kind, impls in layer_kinds(vllm_config, layer_names).items():
+            try:
+                attention = Attention(
+                    num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
+                    max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+                    policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
+                    kv_dtype=torch.float8_e4m3fn if fp8 else None,
+                    prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
+                    deterministic=True if vllm_batch_invariant() else None,
+                    max_total_tokens=kv_pool_tokens(vllm_config), max_decode_q_len=self.reorder_batch_threshold)
+            except ValueError as err:
+                if self.reorder_batch_threshold == 1:
+                    raise
+                # The speculative config is the one thing vLLM's selector does not validate.
+                raise NotImplementedError(f"evenkv: {verify_reason}, which its decode kernels cannot take for "
+                                          f"{num_q_heads} query heads per {kv_cache_spec.num_kv_heads} KV heads of "
+                                          f"{head_size}: {err}; use fewer speculative tokens") from err
             self.attentions[kind] = attention
-            logger.info("evenkv: %d attention layer(s) of %s decode on evenkv's balanced kernels; their prefill and "
-                        "extend rows run on %s", len(names), kind, attention.prefill_reason)
+            for impl in impls.values():
+                if impl is not None:
+                    impl.bind_attention(attention)
+            logger.info("evenkv: %d attention layer(s) of %s decode on evenkv's balanced kernels (%s); their prefill "
+                        "and extend rows run on %s", len(impls), kind, verify_reason, attention.prefill_reason)
         self.errors = ErrorWatcher(device)  # polled once per step: logs bad batch data, never syncs
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> EvenKVMetadata:
-        self.errors.poll()
+        if not fast_build:  # a drafter's builds come between two steps of the target, which poll
+            self.errors.poll()
         cam = common_attn_metadata
         if cam.causal is not True:
             raise NotImplementedError("evenkv: only causal decoder attention is supported (got a non-causal batch)")
+        for name, tensor in (("seq_lens", cam.seq_lens), ("query_start_loc", cam.query_start_loc)):
+            if tensor.dtype != VLLM_INDEX_DTYPE:
+                raise TypeError(f"common_attn_metadata.{name}: expected vLLM's {VLLM_INDEX_DTYPE} (start-up compiled "
+                                f"the kernels for it), got {tensor.dtype}")
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
             cam, decode_threshold=self.reorder_batch_threshold)
-        # A decode row owns exactly one q row. Rows of q_len 0 only pad a batch (vLLM puts
-        # them last, seq_len 0); should they ever outnumber the decode tokens, the extra
-        # ones run as (empty) extend rows, which write nothing.
-        num_decodes = min(num_decodes, num_decode_tokens)
+        decode_q_len, decode_tokens = self._decode_rows(cam, num_decodes, num_prefills)
+        if decode_q_len == 1:
+            # Plain decode rows: request b's query is q row b. Rows of q_len 0 only pad a batch
+            # (vLLM puts them last, seq_len 0); should they ever outnumber the decode tokens,
+            # the extra ones run as (empty) extend rows, which write nothing.
+            num_decodes = min(num_decodes, num_decode_tokens)
+        rows = {} if decode_q_len == 1 else dict(num_decode_tokens=decode_tokens)
         # Columns past max_model_len can hold no token of a request.
         block_table = cam.block_table_tensor[:, :self.max_pages]
         plans = {kind: (attention, attention.plan(cam.query_start_loc, cam.seq_lens, block_table,
                                                   num_decodes=num_decodes, max_q_len=cam.max_query_len,
-                                                  max_seq_len=cam.max_seq_len))
+                                                  max_seq_len=cam.max_seq_len, decode_q_len=decode_q_len, **rows))
                  for kind, attention in self.attentions.items()}
         return EvenKVMetadata(
             num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len, max_seq_len=cam.max_seq_len,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
-            num_prefill_tokens=num_prefill_tokens, query_start_loc=cam.query_start_loc, seq_lens=cam.seq_lens,
-            block_table=block_table, slot_mapping=cam.slot_mapping, plans=plans)
+            num_prefill_tokens=num_prefill_tokens, decode_q_len=decode_q_len, query_start_loc=cam.query_start_loc,
+            seq_lens=cam.seq_lens, block_table=block_table, slot_mapping=cam.slot_mapping, plans=plans)
+
+    def _decode_rows(self, cam: CommonAttentionMetadata, num_decodes: int, num_prefills: int) -> tuple[int, int]:
+        """(the most query tokens of one of the first num_decodes requests, their query tokens),
+        from the host query_start_loc: no sync. Without verify rows (reorder threshold 1), (1,
+        num_decodes) with nothing read."""
+        if self.reorder_batch_threshold == 1 or num_decodes == 0:
+            return 1, num_decodes
+        starts = cam.query_start_loc_cpu[:num_decodes + 1]
+        if num_prefills == 0:  # every request is a decode row: vLLM's host bound serves
+            q_len = min(cam.max_query_len, self.reorder_batch_threshold)
+        else:
+            q_len = int((starts[1:] - starts[:-1]).max())
+        return max(q_len, 1), int(starts[-1])
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> EvenKVMetadata:
-        """As ``build``, for the pure-decode batch vLLM captures. Only the addresses matter
-        to the graph: the decode plan lives in this builder's buffers and the block table
-        in vLLM's persistent one, so every replay reads what the step's ``build`` wrote."""
+        """As ``build``, for the uniform decode batch vLLM captures. Only the addresses matter
+        to the graph: the decode plan lives in this builder's buffers and the block table in
+        vLLM's persistent one, so every replay reads what the step's ``build`` wrote."""
         metadata = self.build(0, common_attn_metadata)
         if metadata.num_prefills:
             raise RuntimeError(f"evenkv: vLLM asked for a full CUDA graph of a batch with {metadata.num_prefills} "
-                               "non-decode requests; this backend declares UNIFORM_SINGLE_TOKEN_DECODE")
+                               f"requests of more than {self.reorder_batch_threshold} query tokens; this backend "
+                               "declares full graphs of uniform decode batches only")
         return metadata
 
 
-def layer_kinds(vllm_config, layer_names: list[str]) -> dict[LayerKind, list[str]]:
-    """The group's layers by kind (their EvenKVImpl's), or one plain kind for all where vLLM
-    has not registered them (a builder made before the model)."""
+def layer_kinds(vllm_config, layer_names: list[str]) -> dict[LayerKind, dict[str, EvenKVImpl | None]]:
+    """The group's layers by kind: name -> the layer's EvenKVImpl (None for a layer of another
+    backend); one plain kind for all, with no impls, where vLLM has not registered the layers
+    (a builder made before the model)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    kinds: dict[LayerKind, list[str]] = {}
+    kinds: dict[LayerKind, dict[str, EvenKVImpl | None]] = {}
     for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names).items():
         impl = getattr(layer, "impl", None)
-        kind = impl.kind if isinstance(impl, EvenKVImpl) else LayerKind()
-        kinds.setdefault(kind, []).append(name)
-    return kinds or {LayerKind(): list(layer_names)}
+        impl = impl if isinstance(impl, EvenKVImpl) else None
+        kinds.setdefault(impl.kind if impl is not None else LayerKind(), {})[name] = impl
+    return kinds or {LayerKind(): dict.fromkeys(layer_names)}
 
 
 def kv_pool_tokens(vllm_config) -> int:
@@ -430,6 +523,14 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         self.sinks = sinks
         self.kind = LayerKind(sliding_window, self.logits_soft_cap, sinks is not None)
         self.alibi_slopes = None
+        # The Attention objects that plan for this layer (its group's builders', a drafter's),
+        # which bind themselves here so that a dummy run can warm them up (_warm_up).
+        self.attentions: list[Attention] = []
+
+    def bind_attention(self, attention: Attention) -> None:
+        """Called by each builder whose plans this layer runs."""
+        if all(attention is not bound for bound in self.attentions):
+            self.attentions.append(attention)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -440,7 +541,8 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
             return
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
         if not self._write_warmed_up and not graph_capturing():
-            warmup_write_kv(k_cache, v_cache, key, value)
+            # For vLLM's slot_mapping dtype only (int64 in both runners and the drafters).
+            warmup_write_kv(k_cache, v_cache, key, value, index_dtypes=(slot_mapping.dtype,))
             self._write_warmed_up = True
         n = min(slot_mapping.shape[0], key.shape[0])
         write_kv(k_cache, v_cache, key[:n], value[:n], slot_mapping[:n], **self._kv_scales(layer, k_cache))
@@ -463,21 +565,32 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("evenkv: fused output quantization is not supported")
         if attn_metadata is None:  # profiling / dummy run: no batch to attend over
+            if kv_cache.numel():  # the cache is bound (not the profiling run's placeholder)
+                self._warm_up(self.attentions, query, kv_cache, output)
             return output.fill_(0)
         md = attn_metadata
         if self.kind not in md.plans:
             raise RuntimeError(f"evenkv: no plan for this layer's kind {self.kind} (planned: {list(md.plans)})")
         attention, plan = md.plans[self.kind]
+        self._warm_up([attention], query, kv_cache, output)
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
-        if not attention.warmed_up and not graph_capturing():
-            # The first step that holds the real tensors (vLLM's warm-up runs, before it is
-            # ready): compile every variant a later batch could need.
-            attention.warmup(query, k_cache, v_cache, out=output, sinks=self.sinks)
         n = md.num_actual_tokens
         attention.run(plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale, sinks=self.sinks,
                       **self._kv_scales(layer, k_cache))
         return output
 
+    def _warm_up(self, attentions: list[Attention], query: torch.Tensor, kv_cache: torch.Tensor,
+                 output: torch.Tensor) -> None:
+        """The first call that holds the real tensors (vLLM's warm-up and dummy runs, before it
+        serves) compiles, for their layout, every kernel variant a later batch can launch: once
+        per Attention (layers of one kind share it), never while a graph is being captured."""
+        pending = [attention for attention in attentions if not attention.warmed_up]
+        if not pending or graph_capturing():
+            return
+        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        for attention in pending:
+            attention.warmup(query, k_cache, v_cache, out=output, sinks=self.sinks, index_dtypes=(VLLM_INDEX_DTYPE,))
+
 
 __all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "LayerKind",
-           "kv_cache_slot_views", "KERNEL_BLOCK_SIZES", "POLICY_ENV"]
+           "kv_cache_slot_views", "spec_decode_q_len", "verify_q_len", "KERNEL_BLOCK_SIZES", "POLICY_ENV", "VLLM_INDEX_DTYPE"]

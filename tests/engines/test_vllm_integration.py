@@ -1,17 +1,21 @@
 """vLLM integration (evenkv.integrations.vllm*) against the real vLLM classes.
 
-CPU lane: needs vLLM installed (``bash tests/envs/vllm.sh VENV``, vLLM 0.26.0 with
---no-deps on a CPU torch); skipped, saying so, when ``vllm`` is not importable. Real
+CPU lane: needs vLLM installed (``bash tests/envs/vllm.sh VENV``, vLLM 0.26.0 or 0.33.0
+with --no-deps on a CPU torch); skipped, saying so, when ``vllm`` is not importable. Real
 ``load_general_plugins``, ``AttentionConfig``, ``AttentionSelectorConfig``,
-``VllmConfig`` (a local config-only Qwen3 checkpoint), ``FullAttentionSpec``,
-``CommonAttentionMetadata`` and ``split_decodes_and_prefills``; kernels run in the
-Triton interpreter, tiny shapes. The KV cache is allocated
-the way vLLM's model runner does it (logical shape permuted by the backend's stride
-order); expected outputs come from the fp32 oracle ``extend_reference`` over a plain
-slot cache the test fills itself, with the tolerance rule of helpers.py.
+``VllmConfig`` (local config-only checkpoints), ``SpeculativeConfig`` (n-gram, EAGLE,
+EAGLE-3, MTP), ``ParallelConfig`` with the attention modules of Qwen3 and Llama built as
+one rank of a tensor-parallel group, ``FullAttentionSpec``, ``CommonAttentionMetadata``
+and ``split_decodes_and_prefills``; kernels run in the Triton interpreter, tiny shapes.
+The KV cache is allocated the way vLLM's model runner does it (logical shape permuted by
+the backend's stride order); expected outputs come from the fp32 oracle
+``extend_reference`` over a plain slot cache the test fills itself, with the tolerance
+rule of helpers.py. Start-up compiles are counted by recording the launchers
+(``test_specialization``).
 
 GPU lane (``pytest -m gpu``, on the device with the vLLM kit sourced): the same batch at
-bf16, and a decode step captured in a CUDA graph and replayed after a re-plan.
+bf16, a decode step and a verify step captured in a CUDA graph and replayed after a
+re-plan, and Triton's compile count over random steps after the dummy run.
 
 vLLM's CUDA wheel on a CPU torch: ``CUDA_VISIBLE_DEVICES`` must be empty before vLLM is
 imported (else ``vllm.triton_utils`` sees no active driver and disables triton), and a
@@ -40,11 +44,14 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
+from evenkv.configs import is_interpreter  # noqa: E402
 from evenkv.integrations import vllm as plugin  # noqa: E402
 from evenkv.integrations.vllm_backend import (EvenKVBackend, EvenKVImpl, EvenKVMetadataBuilder,  # noqa: E402
-                                              LayerKind, kv_cache_slot_views)
+                                              LayerKind, kv_cache_slot_views, verify_q_len)
 from evenkv.kernels.reference import extend_reference, kv_write_reference  # noqa: E402
+from gpu.test_compile_count import compiles  # noqa: E402,F401 (a fixture)
 from helpers import TOLERANCE_FLOOR  # noqa: E402
+from test_specialization import recorder  # noqa: E402,F401 (a fixture)
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 HQ, HKV, D, BLOCK = 4, 2, 64, 16  # G = 2
@@ -196,7 +203,6 @@ def test_declared_capabilities():
     assert EvenKVBackend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 128)
     assert EvenKVBackend.get_kv_cache_stride_order() == (0, 2, 1, 3)
     assert EvenKVBackend.get_required_kv_cache_layout() == "NHD"
-    assert EvenKVBackend.get_builder_cls()._cudagraph_support.name == "UNIFORM_SINGLE_TOKEN_DECODE"
 
 
 @pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="KVCacheLayout exists from vLLM 0.33 on")
@@ -237,29 +243,71 @@ def test_impl_accepts_off_values_of_extra_switches():
 
 
 @pytest.fixture(scope="module")
-def vllm_config(tmp_path_factory):
-    """A real VllmConfig for a config-only Qwen3 (HQ/HKV/D as above); no weights, no tokenizer."""
+def cpu_platform():
+    """vLLM's CPU platform while the module's configs are built and used: the CUDA wheel
+    cannot infer a device type on a CPU torch."""
     import vllm.platforms
-    from transformers import Qwen3Config
-    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
 
-    model_dir = tmp_path_factory.mktemp("qwen3-config")
-    Qwen3Config(vocab_size=256, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=1,
-                num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=MAX_MODEL_LEN,
-                architectures=["Qwen3ForCausalLM"]).save_pretrained(model_dir)
     saved = vllm.platforms._current_platform
-    if not torch.cuda.is_available():  # the CUDA wheel cannot infer a device type on CPU torch
+    if not torch.cuda.is_available():
         import vllm.platforms.cpu
 
         vllm.platforms._current_platform = vllm.platforms.cpu.CpuPlatform()
-    try:
-        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16",
-                            max_model_len=MAX_MODEL_LEN)
-        sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_MODEL_LEN,
-                                max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False)
-        yield VllmConfig(model_config=model, scheduler_config=sched)
-    finally:
-        vllm.platforms._current_platform = saved
+    yield
+    vllm.platforms._current_platform = saved
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Config-only checkpoints (no weights, no tokenizer), by name: the Qwen3 target (HQ/HKV/D
+    as above), a Llama target with an EAGLE and an EAGLE-3 draft of the same attention
+    shape, a GLM-4.5-style target with one MTP layer; and the head counts of Qwen3-8B (32 q /
+    8 KV heads), Llama-3-70B (64 / 8) and Qwen3-235B-A22B (64 / 4)."""
+    from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config
+
+    small = dict(vocab_size=256, intermediate_size=128, num_hidden_layers=1, max_position_embeddings=MAX_MODEL_LEN)
+    heads = dict(hidden_size=HQ * D, num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D)
+    configs = {
+        "qwen3": Qwen3Config(**small, **heads, architectures=["Qwen3ForCausalLM"]),
+        "llama": LlamaConfig(**small, **heads, architectures=["LlamaForCausalLM"]),
+        "eagle": LlamaConfig(**small, **heads, architectures=["EagleLlamaForCausalLM"]),
+        "eagle3": LlamaConfig(**small, **heads, architectures=["LlamaForCausalLMEagle3"]),
+        "glm-mtp": Glm4MoeConfig(**small, **heads, moe_intermediate_size=64, n_routed_experts=4,
+                                 num_experts_per_tok=2, first_k_dense_replace=1, num_nextn_predict_layers=1,
+                                 architectures=["Glm4MoeForCausalLM"]),
+        "qwen3-8b-heads": Qwen3Config(**small, hidden_size=32 * 128, num_attention_heads=32, num_key_value_heads=8,
+                                      head_dim=128, architectures=["Qwen3ForCausalLM"]),
+        "llama-70b-heads": LlamaConfig(**small, hidden_size=64 * 128, num_attention_heads=64, num_key_value_heads=8,
+                                       head_dim=128, architectures=["LlamaForCausalLM"]),
+        "qwen3-235b-heads": Qwen3Config(**small, hidden_size=64 * 128, num_attention_heads=64, num_key_value_heads=4,
+                                        head_dim=128, architectures=["Qwen3ForCausalLM"]),
+    }
+    root = tmp_path_factory.mktemp("checkpoints")
+    for name, config in configs.items():
+        config.save_pretrained(root / name)
+    return {name: str(root / name) for name in configs}
+
+
+def make_vllm_config(model_dir, *, speculative=None, tensor_parallel_size=1, max_num_seqs=MAX_NUM_SEQS,
+                     attention_backend=None, dtype="float16"):
+    """A real VllmConfig (needs the ``cpu_platform`` fixture on a CPU machine); speculative: the
+    SpeculativeConfig's arguments, as ``--speculative-config`` takes them, or None."""
+    from vllm.config import AttentionConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=MAX_MODEL_LEN)
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(MAX_MODEL_LEN, max_num_seqs),
+                            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False)
+    spec = None if speculative is None else SpeculativeConfig(
+        **speculative, target_model_config=model, target_parallel_config=parallel)
+    return VllmConfig(model_config=model, scheduler_config=sched, parallel_config=parallel, speculative_config=spec,
+                      attention_config=AttentionConfig(backend=attention_backend))
+
+
+@pytest.fixture(scope="module")
+def vllm_config(cpu_platform, checkpoints):
+    """A real VllmConfig for the config-only Qwen3 (HQ/HKV/D as above), no speculation."""
+    return make_vllm_config(checkpoints["qwen3"])
 
 
 def _spec(dtype):
@@ -305,7 +353,7 @@ def attention_of(builder, kind=None):
 
 
 def test_builder_init(builder):
-    assert builder.reorder_batch_threshold == 1
+    assert builder.reorder_batch_threshold == 1 and attention_of(builder).max_decode_q_len == 1
     assert attention_of(builder).max_batch_size == MAX_NUM_SEQS
     assert attention_of(builder).max_pages_per_request == MAX_MODEL_LEN // BLOCK
     assert (attention_of(builder).num_q_heads, attention_of(builder).num_kv_heads, attention_of(builder).head_dim) == (HQ, HKV, D)
@@ -340,7 +388,7 @@ def test_builder_splits_decodes_and_prefills(builder, device, q_lens, seq_lens, 
 def test_builder_cudagraph_capture_is_decode_only(builder, device):
     md = builder.build_for_cudagraph_capture(_cam([1] * 4, [1] * 4, device, num_tokens=6, num_reqs_padding=2))
     assert (md.num_decodes, md.num_prefills) == (6, 0)
-    with pytest.raises(RuntimeError, match="UNIFORM_SINGLE_TOKEN_DECODE"):
+    with pytest.raises(RuntimeError, match="full graphs of uniform decode batches only"):
         builder.build_for_cudagraph_capture(_cam([1, 3], [5, 9], device))
 
 
@@ -381,9 +429,9 @@ def test_builder_policy_knob(vllm_config, device, monkeypatch):
 # -- impl: KV write and forward on a mixed batch in vLLM's KV layout ------------------------
 
 
-def _vllm_kv_cache(num_blocks, dtype, device):
+def _vllm_kv_cache(num_blocks, dtype, device, hkv=HKV, d=D):
     """Allocate as vLLM's runner does: physical = logical shape permuted by the stride order."""
-    shape = EvenKVBackend.get_kv_cache_shape(num_blocks, BLOCK, HKV, D)
+    shape = EvenKVBackend.get_kv_cache_shape(num_blocks, BLOCK, hkv, d)
     order = EvenKVBackend.get_kv_cache_stride_order()
     physical = torch.zeros(tuple(shape[i] for i in order), dtype=dtype, device=device)
     return physical.permute(*[order.index(i) for i in range(len(order))])
@@ -391,9 +439,12 @@ def _vllm_kv_cache(num_blocks, dtype, device):
 
 class MixedBatch:
     """A mixed step: decode rows, a chunked prefill on a cached prefix, a fresh prefill,
-    padding tokens; old tokens written into the cache directly, new ones through the impl."""
+    padding tokens (and padding requests: q_len 0, seq_len 0); old tokens written into the
+    cache directly, new ones through the impl. heads: (Hq, Hkv, D)."""
 
-    def __init__(self, q_lens, seq_lens, dtype, device, *, num_tokens=None, num_blocks=None, seed=0):
+    def __init__(self, q_lens, seq_lens, dtype, device, *, num_tokens=None, num_blocks=None, seed=0,
+                 num_reqs_padding=0, heads=(HQ, HKV, D)):
+        hq, hkv, d = heads
         gen = torch.Generator().manual_seed(seed)
         b = len(q_lens)
         pages = [-(-s // BLOCK) for s in seq_lens]
@@ -405,23 +456,25 @@ class MixedBatch:
         for r, n in enumerate(pages):
             table[r, :n] = perm[used:used + n]
             used += n
-        self.cam = _cam(q_lens, seq_lens, device, block_table=table, num_tokens=num_tokens)
+        table = torch.cat([table, torch.zeros(num_reqs_padding, width, dtype=torch.int32)])
+        self.cam = _cam(q_lens, seq_lens, device, block_table=table, num_tokens=num_tokens,
+                        num_reqs_padding=num_reqs_padding)
         t = self.cam.num_actual_tokens
-        self.kv_cache = _vllm_kv_cache(num_blocks, dtype, device)
-        self.ref_k = torch.zeros(num_blocks * BLOCK, HKV, D, dtype=dtype, device=device)
+        self.kv_cache = _vllm_kv_cache(num_blocks, dtype, device, hkv, d)
+        self.ref_k = torch.zeros(num_blocks * BLOCK, hkv, d, dtype=dtype, device=device)
         self.ref_v = torch.zeros_like(self.ref_k)
         for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):  # cached prefix: positions < sl - ql
             for pos in range(sl - ql):
                 blk, off = int(table[r, pos // BLOCK]), pos % BLOCK
-                k = torch.randn(HKV, D, generator=gen).to(dtype)
-                v = torch.randn(HKV, D, generator=gen).to(dtype)
-                self.kv_cache[blk, :, off, :D] = k.to(device)
-                self.kv_cache[blk, :, off, D:] = v.to(device)
+                k = torch.randn(hkv, d, generator=gen).to(dtype)
+                v = torch.randn(hkv, d, generator=gen).to(dtype)
+                self.kv_cache[blk, :, off, :d] = k.to(device)
+                self.kv_cache[blk, :, off, d:] = v.to(device)
                 self.ref_k[blk * BLOCK + off] = k.to(device)
                 self.ref_v[blk * BLOCK + off] = v.to(device)
-        self.query = torch.randn(t, HQ, D, generator=gen).to(dtype).to(device)
-        self.key = torch.randn(t, HKV, D, generator=gen).to(dtype).to(device)
-        self.value = torch.randn(t, HKV, D, generator=gen).to(dtype).to(device)
+        self.query = torch.randn(t, hq, d, generator=gen).to(dtype).to(device)
+        self.key = torch.randn(t, hkv, d, generator=gen).to(dtype).to(device)
+        self.value = torch.randn(t, hkv, d, generator=gen).to(dtype).to(device)
         sm = self.cam.slot_mapping
         keep = sm >= 0
         self.ref_k[sm[keep]] = self.key[keep]
@@ -447,9 +500,11 @@ class MixedBatch:
         self.ref_k, self.ref_v = ref_k, ref_v
 
 
-def _run_step(builder, impl, batch, layer=None):
+def _run_step(builder, impl, batch, layer=None, draft_index=None):
+    """One step: the KV write, the build (a drafter's with ``draft_index``), the layer's forward."""
     impl.do_kv_cache_update(layer, batch.key, batch.value, batch.kv_cache, batch.cam.slot_mapping)
-    md = builder.build(0, batch.cam)
+    md = (builder.build(0, batch.cam) if draft_index is None else
+          builder.build_for_drafting(batch.cam, draft_index=draft_index))
     output = torch.full_like(batch.query, 7.0)  # rows past the last query must keep this
     impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
     return md, output
@@ -525,7 +580,8 @@ def test_builder_plans_each_layer_kind(vllm_config, device, monkeypatch):
     from evenkv.integrations import vllm_backend
 
     full, windowed = LayerKind(), LayerKind(window=8, sinks=True)
-    monkeypatch.setattr(vllm_backend, "layer_kinds", lambda config, names: {full: names[:1], windowed: names[1:]})
+    monkeypatch.setattr(vllm_backend, "layer_kinds",
+                        lambda config, names: {full: {names[0]: None}, windowed: {names[1]: None}})
     builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0", "l1"], vllm_config, device)
     assert set(builder.attentions) == {full, windowed}
     assert builder.attentions[windowed].sliding_window == 8
@@ -565,6 +621,393 @@ def test_slot_views_refuse_hnd_layout(device):
         kv_cache_slot_views(hnd, D)
     k, v = kv_cache_slot_views(_vllm_kv_cache(4, torch.float16, device), D)
     assert k.shape == (4 * BLOCK, HKV, D) and v.shape == (4 * BLOCK, HKV, D)
+
+
+# -- speculative decoding: verify rows are decode rows --------------------------------------
+
+# name: (target checkpoint, --speculative-config with draft checkpoints by name)
+SPECULATIVE = {
+    "ngram": ("qwen3", dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2)),
+    "ngram-k7": ("qwen3", dict(method="ngram", num_speculative_tokens=7, prompt_lookup_max=4)),
+    "eagle": ("llama", dict(method="eagle", model="eagle", num_speculative_tokens=3)),
+    "eagle-parallel": ("llama", dict(method="eagle", model="eagle", num_speculative_tokens=3,
+                                     parallel_drafting=True)),
+    "eagle3": ("llama", dict(method="eagle3", model="eagle3", num_speculative_tokens=5)),
+    "mtp": ("glm-mtp", dict(method="mtp", num_speculative_tokens=2)),
+}
+
+
+def speculative_config(checkpoints, name, target=None, **overrides):
+    """A VllmConfig speculating as SPECULATIVE[name] (on another target checkpoint with ``target``)."""
+    default_target, speculative = SPECULATIVE[name]
+    target = target or default_target
+    speculative = {**speculative, **overrides}
+    if "model" in speculative:
+        speculative["model"] = checkpoints[speculative["model"]]
+    return make_vllm_config(checkpoints[target], speculative=speculative)
+
+
+@pytest.fixture(scope="module")
+def ngram_config(cpu_platform, checkpoints):
+    return speculative_config(checkpoints, "ngram")
+
+
+@pytest.fixture()
+def ngram_builder(ngram_config, device):
+    return EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], ngram_config, device)
+
+
+@pytest.mark.parametrize("name", list(SPECULATIVE))
+def test_speculative_configs_make_verify_rows_decode_rows(cpu_platform, checkpoints, device, name):
+    """Each method's verify step (1 + k query tokens per request; 1 + 2k with parallel
+    drafting) is a decode batch: vLLM's reorder threshold, evenkv's decode rows and full
+    CUDA graphs of uniform verify batches (UNIFORM_BATCH) all take 1 + k."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    config = speculative_config(checkpoints, name)
+    spec = config.speculative_config
+    q_len, reason = verify_q_len(config)
+    # vLLM's own count: 1 + k, or 1 + 2k under the V1 runner's parallel drafting.
+    assert q_len == 1 + (2 if spec.parallel_drafting and not config.use_v2_model_runner else 1) * \
+        spec.num_speculative_tokens
+    assert f"verify rows of up to {q_len} query tokens run on the decode kernels" in reason
+    kv_spec = _spec(torch.bfloat16)
+    assert EvenKVMetadataBuilder.get_cudagraph_support(config, kv_spec) is AttentionCGSupport.UNIFORM_BATCH
+    builder = EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)
+    assert builder.reorder_batch_threshold == q_len  # vLLM's _init_reorder_batch_threshold agrees
+    assert attention_of(builder).max_decode_q_len == q_len
+    # A uniform verify batch padded as vLLM pads it for a full graph: decode rows only.
+    cam = _cam([q_len] * 2, [40, q_len], device, num_reqs_padding=2)
+    md = builder.build_for_cudagraph_capture(cam)
+    assert (md.num_decodes, md.num_prefills, md.decode_q_len) == (4, 0, q_len)
+
+
+def test_without_speculation_decode_rows_have_one_token(vllm_config, builder):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    assert verify_q_len(vllm_config) == (1, "no speculative decoding")
+    assert builder.get_cudagraph_support(vllm_config, _spec(torch.bfloat16)) is \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert builder.reorder_batch_threshold == 1 and attention_of(builder).max_decode_q_len == 1
+
+
+def test_verify_rows_past_the_decode_kernels_run_with_the_prefill_rows(cpu_platform, checkpoints, device):
+    """16 draft tokens make verify rows of 17: more than a decode row takes. They stay extend
+    rows (reorder threshold 1), full graphs only for single-token steps, and the start-up
+    log says why; a verify batch still matches the reference."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    config = speculative_config(checkpoints, "ngram", num_speculative_tokens=16)
+    q_len, reason = verify_q_len(config)
+    assert q_len == 1 and "verify rows of 17 query tokens run with the prefill rows" in reason
+    assert EvenKVMetadataBuilder.get_cudagraph_support(config, _spec(torch.bfloat16)) is \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], config, device)
+    assert builder.reorder_batch_threshold == 1
+    batch = MixedBatch([1, 17, 5], [30, 60, 20], torch.bfloat16, device, seed=21)
+    md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
+    assert (md.num_decodes, md.num_prefills, md.decode_q_len) == (1, 2, 1)
+    _assert_matches_reference(batch, output)
+
+
+def test_verify_rows_too_tall_for_the_decode_tiles_are_refused(cpu_platform, checkpoints, device):
+    """16 verify tokens x 16 query heads per KV head (Qwen3-235B) are more tile rows than a
+    decode tile holds: the builder refuses, saying so in vLLM's terms; 8 tokens fit."""
+    kv_spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    config = speculative_config(checkpoints, "ngram", target="qwen3-235b-heads", num_speculative_tokens=15)
+    with pytest.raises(NotImplementedError, match="verify rows of up to 16 query tokens.*use fewer speculative"):
+        EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)
+    config = speculative_config(checkpoints, "ngram-k7", target="qwen3-235b-heads")
+    assert attention_of(EvenKVMetadataBuilder(kv_spec, ["l0"], config, device)).max_decode_q_len == 8
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,num_tokens,padded_reqs,expect", [
+    # (num_decodes, num_prefills, decode_q_len, the decode rows' query tokens)
+    ([4, 4, 4], [40, 9, 17], None, 0, (3, 0, 4, 12)),                     # uniform verify step
+    ([1, 4, 2, 3, 1], [40, 9, 17, 5, 3], None, 0, (5, 0, 4, 11)),          # verify rows of any length
+    ([1, 3, 2, 9, 4], [40, 9, 17, 30, 8], 24, 0, (3, 2, 3, 6)),            # + a prefill: decodes end there
+    ([1, 1, 1], [40, 9, 17], None, 0, (3, 0, 1, 3)),                       # no drafts this step: plain decode
+    ([4, 4], [12, 30], 24, 4, (6, 0, 4, 8)),                               # padded for a full graph
+    ([6, 4], [12, 30], None, 0, (0, 2, 1, 0)),                             # prefill first: no decodes
+])
+def test_builder_splits_verify_rows(ngram_builder, device, q_lens, seq_lens, num_tokens, padded_reqs, expect):
+    cam = _cam(q_lens, seq_lens, device, num_tokens=num_tokens, num_reqs_padding=padded_reqs)
+    md = ngram_builder.build(0, cam)
+    (_, plan), = md.plans.values()
+    assert (md.num_decodes, md.num_prefills, md.decode_q_len, plan.num_decode_tokens) == expect
+    assert plan.num_decodes == expect[0]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,num_tokens,padded_reqs", [
+    ([1, 4, 2, 3, 1, 9], [70, 16, 21, 7, 3, 9], 24, 0),    # verify rows of 1-4 tokens, a fresh prefill, padding
+    ([4, 4, 2, 8], [33, 4, 2, 40], None, 0),                # a 2-token prefill is a short decode row; a chunk
+    ([4, 4], [50, 9], 24, 4),                               # uniform verify step padded to 6 requests
+    ([3, 1, 2], [3, 1, 2], None, 0),                        # new requests: verify-sized prompts from position 0
+])
+def test_verify_batch_matches_reference(ngram_builder, device, q_lens, seq_lens, num_tokens, padded_reqs):
+    """Verify rows (causal among their new tokens, on a cached prefix) next to prefill rows,
+    through the builder and the impl, against the fp32 oracle."""
+    batch = MixedBatch(q_lens, seq_lens, torch.bfloat16, device, num_tokens=num_tokens, num_reqs_padding=padded_reqs,
+                       seed=sum(q_lens))
+    md, output = _run_step(ngram_builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
+    assert md.decode_q_len > 1
+    _assert_matches_reference(batch, output)
+
+
+def test_verify_rows_on_every_layer_kind(cpu_platform, checkpoints, device, monkeypatch):
+    """Verify rows under a sliding window with sinks (gpt-oss-like) and under a soft-cap."""
+    from evenkv.integrations import vllm_backend
+
+    full, windowed, capped = LayerKind(), LayerKind(window=8, sinks=True), LayerKind(logit_cap=10.0)
+    monkeypatch.setattr(vllm_backend, "layer_kinds", lambda config, names: {
+        full: {names[0]: None}, windowed: {names[1]: None}, capped: {names[2]: None}})
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0", "l1", "l2"], speculative_config(
+        checkpoints, "eagle3"), device)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=device)
+    batch = MixedBatch([6, 1, 3, 11], [70, 30, 3, 20], torch.bfloat16, device, seed=31)
+    md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
+    assert (md.num_decodes, md.decode_q_len) == (3, 6)
+    _assert_matches_reference(batch, output)
+    for impl, terms in ((EvenKVImpl(HQ, D, D ** -0.5, HKV, sliding_window=8, sinks=sinks),
+                         dict(sliding_window=8, sinks=sinks)),
+                        (EvenKVImpl(HQ, D, D ** -0.5, HKV, logits_soft_cap=10.0), dict(logit_cap=10.0))):
+        output = torch.full_like(batch.query, 7.0)
+        impl.forward(None, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
+        _assert_matches_reference(batch, output, **terms)
+
+
+def test_verify_rows_over_an_fp8_cache(ngram_config, device):
+    """--kv-cache-dtype fp8 with speculation: verify rows read the e4m3 cache with the layer's scales."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+    builder = EvenKVMetadataBuilder(spec, ["l0"], ngram_config, device)
+    layer = SimpleNamespace(_k_scale_float=0.25, _v_scale_float=0.5)
+    batch = MixedBatch([1, 4, 3, 7], [70, 16, 21, 7], torch.float16, device, num_tokens=20, seed=13)
+    batch.to_fp8(0.25, 0.5)
+    md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="fp8"), batch, layer)
+    assert (md.num_decodes, md.decode_q_len) == (3, 4)
+    _assert_matches_reference(batch, output, k_scale=0.25, v_scale=0.5)
+
+
+def test_drafting_builds(cpu_platform, checkpoints, device, caplog):
+    """An EAGLE drafter's steps (``build_for_drafting``: fast_build) as vLLM's V1 proposer
+    makes them: the target's verify batch first, then one query token per request on
+    query_start_loc = arange, seq_lens grown on the GPU. Each is planned like a step; the
+    error poll is the target's alone (the flag stays set through a drafting build)."""
+    import logging
+
+    from evenkv import errors
+
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["draft"], speculative_config(checkpoints, "eagle"),
+                                    device)
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    verify = MixedBatch([4, 4, 4], [40, 9, 100], torch.bfloat16, device, seed=41)
+    impl.do_kv_cache_update(None, verify.key, verify.value, verify.kv_cache, verify.cam.slot_mapping)
+    md = builder.build_for_drafting(verify.cam, draft_index=0)
+    assert (md.num_decodes, md.decode_q_len) == (3, 4)
+    output = torch.full_like(verify.query, 7.0)
+    impl.forward(None, verify.query, verify.key, verify.value, verify.kv_cache, md, output)
+    _assert_matches_reference(verify, output)
+    step = MixedBatch([1, 1, 1], [41, 10, 101], torch.bfloat16, device, seed=42)
+    errors.check_errors(device)
+    errors.error_flag(device)[0] = errors.SLOT_OUT_OF_RANGE
+    with caplog.at_level(logging.ERROR, logger="evenkv"):
+        md, output = _run_step(builder, impl, step, draft_index=1)
+        assert (md.num_decodes, md.decode_q_len, md.num_prefills) == (3, 1, 0)
+        assert errors.peek(device) != [] and "slot_mapping" not in caplog.text
+        builder.build(0, step.cam)
+    assert "slot_mapping: a slot >= the KV cache's slots" in caplog.text
+    _assert_matches_reference(step, output)
+
+
+def test_builder_refuses_other_index_dtypes(builder, device):
+    """Start-up compiles the kernels for vLLM's int32 lengths; other lengths are refused."""
+    cam = _cam([1, 1], [5, 9], device)
+    cam.seq_lens = cam.seq_lens.long()
+    with pytest.raises(TypeError, match="seq_lens: expected vLLM's torch.int32"):
+        builder.build(0, cam)
+
+
+# -- tensor parallelism: each rank's share of the heads --------------------------------------
+
+
+def _attention_layer_of_rank(config, model: str, tp: int, monkeypatch):
+    """The model's real attention module (Qwen3Attention or LlamaAttention), built as one rank
+    of a tensor-parallel group of ``tp`` builds it: the layer divides the heads by vLLM's TP
+    world size (a stand-in group, no process group started) and selects ``CUSTOM`` the way
+    vLLM's CUDA platform does (validate_configuration, here for an SM90 device). Returns its
+    ``vllm.model_executor.layers.attention.Attention``, registered under its name."""
+    import vllm.platforms
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    def select_like_cuda(selected_backend, attn_selector_config, num_heads=None):
+        backend = selected_backend.get_class()
+        reasons = backend.validate_configuration(device_capability=DeviceCapability(9, 0),
+                                                 **attn_selector_config._asdict())
+        if reasons:
+            raise ValueError(f"Selected backend {selected_backend} is not valid: {reasons}")
+        return ".".join(backend.full_cls_name())
+
+    plugin.register()
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=tp, rank_in_group=0))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(vllm.platforms._current_platform, "get_attn_backend_cls", select_like_cuda)
+    hf = config.model_config.hf_config
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
+        if model.startswith("qwen3"):
+            from vllm.model_executor.models.qwen3 import Qwen3Attention
+
+            module = Qwen3Attention(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+                                    rope_parameters=hf.rope_parameters, max_position=MAX_MODEL_LEN,
+                                    head_dim=hf.head_dim, cache_config=config.cache_config,
+                                    prefix="model.layers.0.self_attn")
+        else:
+            from vllm.model_executor.models.llama import LlamaAttention
+
+            module = LlamaAttention(hf, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+                                    max_position_embeddings=MAX_MODEL_LEN, cache_config=config.cache_config,
+                                    prefix="model.layers.0.self_attn")
+    return module.attn
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("model,heads", [("qwen3-8b-heads", (32, 8)), ("llama-70b-heads", (64, 8))])
+def test_tensor_parallel_rank_shapes(cpu_platform, checkpoints, device, monkeypatch, model, heads, tp):
+    """One rank of a tensor-parallel deployment: the model's attention layer holds Hq / TP query
+    heads and its KV-cache spec Hkv / TP KV heads; the builder plans for those (read from the
+    layer), binds its plan to the layer's impl, and a mixed batch through that impl matches
+    the reference."""
+    import dataclasses
+
+    config = make_vllm_config(checkpoints[model], tensor_parallel_size=tp, attention_backend="CUSTOM",
+                              dtype="bfloat16")
+    layer = _attention_layer_of_rank(config, model, tp, monkeypatch)
+    hq, hkv = heads[0] // tp, heads[1] // tp
+    parallel = config.parallel_config
+    assert (config.model_config.get_num_attention_heads(parallel), config.model_config.get_num_kv_heads(parallel)) \
+        == (hq, hkv)
+    impl = layer.impl
+    assert isinstance(impl, EvenKVImpl) and (impl.num_heads, impl.num_kv_heads) == (hq, hkv)
+    kv_spec = dataclasses.replace(layer.get_kv_cache_spec(config), block_size=BLOCK)  # a kernel block size
+    assert kv_spec.num_kv_heads == hkv
+    d = kv_spec.head_size
+    builder = EvenKVMetadataBuilder(kv_spec, [layer.layer_name], config, device)
+    attention = attention_of(builder)
+    assert impl.attentions == [attention]
+    assert (attention.num_q_heads, attention.num_kv_heads, attention.group_size) == (hq, hkv, heads[0] // heads[1])
+    assert (attention.decode.num_q_heads, attention.decode.num_kv_heads) == (hq, hkv)
+    batch = MixedBatch([1, 1, 3], [40, 17, 20], torch.bfloat16, device, seed=tp, heads=(hq, hkv, d))
+    md, output = _run_step(builder, impl, batch, layer)
+    (_, plan), = md.plans.values()
+    assert (plan.batch_size, plan.num_decodes, plan.decode.batch_size) == (3, 2, 2)
+    assert output.shape == (5, hq, d)
+    _assert_matches_reference(batch, output, sm_scale=impl.scale)
+
+
+# -- start-up: what warm-up compiles, and nothing after -------------------------------------
+
+
+class _EnginePrefill:
+    """Stands in for vLLM's FlashAttention (``prefill.VllmFlashAttention``), which the builder
+    gets on a CUDA device with ``vllm.vllm_flash_attn`` (the H200 kit): extend rows are then
+    the engine's, and evenkv compiles no extend kernel."""
+
+    name = "FA3 (stand-in)"
+    supports_sinks = True
+
+    def __call__(self, q, k_cache, v_cache, out, **kwargs):
+        pass
+
+
+def _random_steps(builder, impl, layer, gen, device, *, steps, hq, hkv, d, num_blocks, drafts):
+    """vLLM-like steps (build, KV write, forward) of random shapes: decode rows of 1 to
+    reorder_batch_threshold query tokens first (verify rows, with ``drafts``), then prefill
+    chunks on cached prefixes; sometimes padded as for a full graph (q_len 0, seq_len 0);
+    sometimes a drafter's build (fast_build); batch sizes up to max_num_seqs."""
+    threshold = builder.reorder_batch_threshold
+    max_reqs = builder.vllm_config.scheduler_config.max_num_seqs
+    width = builder.max_pages
+    for step in range(steps):
+        batch = int(torch.randint(1, max_reqs + 1, (1,), generator=gen))
+        decodes = batch if step % 3 == 0 else int(torch.randint(0, batch + 1, (1,), generator=gen))
+        q_lens = torch.randint(1, threshold + 1, (decodes,), generator=gen).tolist()
+        if drafts and step % 3 == 0:
+            q_lens = [threshold] * decodes  # a uniform verify step, as full graphs replay it
+        q_lens += torch.randint(threshold + 1, 3 * threshold + 3, (batch - decodes,), generator=gen).tolist()
+        seq_lens = [q + int(torch.randint(0, MAX_MODEL_LEN - q + 1, (1,), generator=gen)) for q in q_lens]
+        padding = int(torch.randint(0, 4, (1,), generator=gen)) if decodes == batch else 0
+        table = torch.randint(1, num_blocks, (batch + padding, width), generator=gen, dtype=torch.int32)
+        cam = _cam(q_lens, seq_lens, device, block_table=table, num_reqs_padding=padding)
+        tokens = cam.num_actual_tokens
+        md = (builder.build_for_drafting(cam, draft_index=step % 2) if drafts and step % 4 == 1 else
+              builder.build(0, cam))
+        query = torch.zeros(tokens, hq, d, dtype=torch.bfloat16, device=device)
+        new = torch.zeros(tokens, hkv, d, dtype=torch.bfloat16, device=device)
+        kv_cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+        impl.do_kv_cache_update(layer, new, new, kv_cache, cam.slot_mapping)
+        impl.forward(layer, query, new, new, kv_cache, md, torch.empty_like(query))
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; with "
+                    "compiled kernels test_gpu_no_compile_after_dummy_run counts real ones")
+@pytest.mark.parametrize("prefill", ["engine", "triton"])
+@pytest.mark.parametrize("speculation", [None, "ngram"])
+def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, device, monkeypatch,
+                                                 recorder, prefill, speculation):  # noqa: F811
+    """A Qwen3-8B attention layer (32 q / 8 KV heads of 128, bf16, pages of 16) under vLLM's
+    H200 defaults (max_num_seqs 1024): the dummy run before serving compiles what evenkv can
+    launch for vLLM's batches (counted below, kernel by kernel), and no later step, with or
+    without speculation (n-gram, 3 draft tokens), launches anything else."""
+    import collections
+    import dataclasses
+
+    from evenkv.configs import extend_configs
+    from evenkv.integrations import vllm_backend
+    from evenkv.kernels.plan_launch import plan_block_buckets
+
+    if prefill == "engine":
+        monkeypatch.setattr(vllm_backend, "vllm_flash_attention", lambda device: _EnginePrefill())
+    speculative = None if speculation is None else dict(SPECULATIVE[speculation][1])
+    config = make_vllm_config(checkpoints["qwen3-8b-heads"], attention_backend="CUSTOM", dtype="bfloat16",
+                              max_num_seqs=1024, speculative=speculative)
+    layer = _attention_layer_of_rank(config, "qwen3", 1, monkeypatch)
+    impl = layer.impl
+    kv_spec = dataclasses.replace(layer.get_kv_cache_spec(config), block_size=BLOCK)
+    builder = EvenKVMetadataBuilder(kv_spec, [layer.layer_name], config, device)
+    hq, hkv, d = 32, 8, 128
+    num_blocks = 64
+    layer.kv_cache = _vllm_kv_cache(num_blocks, torch.bfloat16, device, hkv, d)
+    # vLLM's dummy run after the KV cache is allocated: no metadata, real tensors.
+    tokens = 64
+    qkv = torch.zeros(tokens, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=device)
+    query, key = qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+    impl.do_kv_cache_update(layer, key, key, layer.kv_cache, slots)
+    impl.forward(layer, query, key, key, layer.kv_cache, None, torch.empty_like(query))
+    assert attention_of(builder).warmed_up
+    # What can run, for vLLM's int32 lengths and int64 slots only (under the interpreter both
+    # decode configs have one grid, so their plan kernels coincide):
+    chunks = len(plan_block_buckets(1024))  # the plan kernels' batch chunks: 128, 256, 512, 1024
+    row_kinds = 1 if speculation is None else 2  # single-token rows, + verify rows (1-4 tokens)
+    expected = {
+        "kv_write_kernel": 1,
+        "audit_pages_kernel": chunks,
+        "plan_stream_kernel": chunks * row_kinds,
+        # single-token rows: the decode row and the many-segments row; verify rows of 2 and
+        # of 4 tokens (x G = 4 heads) share one 16-row tile
+        "decode_stream_kernel": 1 + row_kinds,
+        "merge_stream_kernel": row_kinds,
+    }
+    if prefill == "triton":  # each extend config a batch can pick, its plan and kernel
+        configs = len(extend_configs(attention_of(builder).arch, 128, 4))
+        expected.update(extend_plan_kernel=configs, extend_kernel=configs)
+    assert collections.Counter(name for name, _, _ in recorder.compiled) == expected
+    _random_steps(builder, impl, layer, torch.Generator().manual_seed(0), device, steps=30, hq=hq, hkv=hkv, d=d,
+                  num_blocks=num_blocks, drafts=speculation is not None)
+    missing = {key for key in recorder.launched if key not in recorder.compiled}
+    assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
 
 
 # -- GPU lane ----------------------------------------------------------------------------
@@ -612,6 +1055,77 @@ def test_gpu_decode_cuda_graph_replay_after_replan(vllm_config):
         torch.cuda.synchronize()
         step.kv_cache = first.kv_cache
         _assert_matches_reference(step, output)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_verify_cuda_graph_replay_after_replan(ngram_config):
+    """What UNIFORM_BATCH promises with speculation: capture a verify step (4 requests of 1 + 3
+    query tokens, as vLLM captures it), then for later steps, one with other lengths and
+    one padded as vLLM pads a smaller batch (requests of q_len 0 and seq_len 0), run only
+    build() (outside the graph) and replay."""
+    dev = torch.device("cuda")
+    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], ngram_config, dev)
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV)
+    num_blocks = 1 + 4 * (MAX_MODEL_LEN // BLOCK)
+    first = MixedBatch([4] * 4, [9, 200, 33, 4], torch.bfloat16, dev, num_blocks=num_blocks, seed=1)
+    cam = first.cam
+    query, output = first.query.clone(), torch.empty_like(first.query)
+    md = builder.build_for_cudagraph_capture(cam)
+    assert (md.num_decodes, md.decode_q_len) == (4, 4)
+    impl.forward(None, query, None, None, first.kv_cache, md, output)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(None, query, None, None, first.kv_cache, md, output)
+    for seed, q_lens, lens, padding in ((2, [4] * 4, [255, 5, 17, 64], 0), (3, [4], [130], 3)):
+        step = MixedBatch(q_lens, lens, torch.bfloat16, dev, num_blocks=num_blocks, seed=seed, num_tokens=16,
+                          num_reqs_padding=padding)
+        first.kv_cache.copy_(step.kv_cache)
+        impl.do_kv_cache_update(None, step.key, step.value, first.kv_cache, step.cam.slot_mapping)
+        for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "block_table_tensor"):
+            getattr(cam, name).copy_(getattr(step.cam, name))
+        query.copy_(step.query)
+        output.fill_(7.0)
+        builder.build(0, cam)
+        graph.replay()
+        torch.cuda.synchronize()
+        step.kv_cache = first.kv_cache
+        real = int(step.cam.query_start_loc_cpu[-1])
+        output[real:] = 7.0  # rows of padding requests are the graph's to write or not
+        _assert_matches_reference(step, output)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("speculation", [None, "ngram"])
+def test_gpu_no_compile_after_dummy_run(cpu_platform, checkpoints, monkeypatch, compiles,  # noqa: F811
+                                        speculation):
+    """The compile count for real: after the dummy run, random vLLM-like steps (decode, verify,
+    prefill rows; padded; drafting builds) run on the GPU and Triton builds no kernel."""
+    import dataclasses
+
+    speculative = None if speculation is None else dict(SPECULATIVE[speculation][1])
+    config = make_vllm_config(checkpoints["qwen3-8b-heads"], attention_backend="CUSTOM", dtype="bfloat16",
+                              max_num_seqs=1024, speculative=speculative)
+    dev = torch.device("cuda")
+    layer = _attention_layer_of_rank(config, "qwen3", 1, monkeypatch)
+    impl = layer.impl
+    kv_spec = dataclasses.replace(layer.get_kv_cache_spec(config), block_size=BLOCK)
+    builder = EvenKVMetadataBuilder(kv_spec, [layer.layer_name], config, dev)
+    hq, hkv, d, num_blocks, tokens = 32, 8, 128, 64, 64
+    layer.kv_cache = _vllm_kv_cache(num_blocks, torch.bfloat16, dev, hkv, d)
+    qkv = torch.zeros(tokens, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=dev)
+    query, key = qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d)
+    slots = torch.full((tokens,), -1, dtype=torch.int64, device=dev)
+    impl.do_kv_cache_update(layer, key, key, layer.kv_cache, slots)
+    impl.forward(layer, query, key, key, layer.kv_cache, None, torch.empty_like(query))
+    torch.cuda.synchronize()
+    compiles.clear()
+    _random_steps(builder, impl, layer, torch.Generator().manual_seed(1), dev, steps=40, hq=hq, hkv=hkv, d=d,
+                  num_blocks=num_blocks, drafts=speculation is not None)
+    torch.cuda.synchronize()
+    assert compiles == [], f"kernels compiled after the dummy run: {compiles}"
 
 
 # -- prefill on vLLM's own FlashAttention -----------------------------------------------------
