@@ -244,7 +244,9 @@ class World:
         masks = masks or [chain_mask(q_len)] * len(reqs)
         loc = torch.cat([self.slots(r, c, c + q_len) for r, c in zip(reqs, cached)])
         positions = torch.cat([c + m.sum(1) - 1 for c, m in zip(cached, masks)])  # a token's depth in its tree
-        spec_info = NgramVerifyInput(custom_mask=full_mask(cached, masks).to(self.device), draft_token_num=q_len)
+        args = self.runner.server_args
+        spec_info = verify_input(getattr(args, "speculative_algorithm", None), full_mask(cached, masks).to(self.device),
+                                 q_len, getattr(args, "speculative_eagle_topk", None) or 1)
         dev = self.device
         return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
                             input_ids=torch.zeros(len(reqs) * q_len, dtype=torch.int64, device=dev),
@@ -307,6 +309,19 @@ def check_extend(world, out, q, fb, layer_id=0, sinks=None):
 def attention_of(backend):
     """The backend's Attention of plain layers (the worlds' default layers)."""
     return backend.attentions[LayerKind()]
+
+
+def verify_input(algorithm, custom_mask, q_len, topk):
+    """The SpecInput SGLang's worker for ``algorithm`` hands a verify batch (EAGLE's for the
+    EAGLE family, NGRAM's otherwise), carrying custom_mask and q_len draft tokens."""
+    if algorithm in ("EAGLE", "EAGLE3", "STANDALONE"):
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        return EagleVerifyInput(draft_token=None, custom_mask=custom_mask, positions=None, retrieve_index=None,
+                                retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
+                                spec_steps=q_len - 1, topk=topk, draft_token_num=q_len, capture_hidden_mode=None,
+                                seq_lens_sum=None, seq_lens_cpu=None)
+    return NgramVerifyInput(custom_mask=custom_mask, draft_token_num=q_len)
 
 
 def chain_mask(q_len: int) -> torch.Tensor:
