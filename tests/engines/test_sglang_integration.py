@@ -812,6 +812,32 @@ def test_hybrid_pool_is_accepted_with_a_kind_per_pool(lane):
     assert set(backend.attentions) == {LayerKind(window=16, swa_pool=True), LayerKind()}
 
 
+def test_hybrid_pool_refusals(lane):
+    """A hybrid pool without its full->SWA mapping (SGLang's unified pools keep none) is
+    refused by name."""
+    world = hybrid_world(1, lane)
+    world.kv_pool.full_to_swa_index_mapping = None
+    with pytest.raises(NotImplementedError, match="no full->SWA index mapping"):
+        world.backend()
+
+
+def test_hybrid_pool_bad_slot_is_flagged(lane):
+    """A req_to_token slot past the full pool reads the mapping's trailing -1 for the window
+    layer: a page id the audit flags, never an out-of-bounds gather."""
+    errors.check_errors(lane[0])
+    world = hybrid_world(1, lane)
+    backend = world.backend()
+    r = world.add_request(8)
+    world.req_pool.req_to_token[r, 6] = world.kv_pool.size + 10**6
+    fb = world.decode_batch([r], [6])
+    backend.init_forward_metadata(fb)
+    out = backend.forward(world.randn(1, world.hq * world.d), world.randn(1, world.hkv, world.d),
+                          world.randn(1, world.hkv, world.d), world.layers[0], fb)
+    assert torch.isfinite(out).all()
+    with pytest.raises(errors.EvenKVError, match="page id outside the KV cache"):
+        errors.check_errors(lane[0])  # raises and clears
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_hybrid_pool_extend_then_decode(lane, page_size):
     """Chunked prefill and decode on SGLang's SWAKVPool: the window layer reads and writes the
