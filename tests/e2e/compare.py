@@ -3,7 +3,7 @@
 backend and HF transformers (GPU machine; tests/e2e/vllm.sh and sglang.sh run it).
 
     python tests/e2e/compare.py MODEL_DIR [--engine vllm|sglang] [--backend evenkv|triton|NAME]
-                                [--graphs 0|1] [--compare] [--skewed] [...]
+                                [--graphs 0|1] [--compare] [--skewed] [--speculative-algorithm NGRAM] [...]
 
 MODEL_DIR is any HF checkpoint the engine can load (a real one works the same as the tiny
 random Qwen3 of the device kits). Prompts are random token ids (no tokenizer needed), of
@@ -69,6 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--short-lens", default="16,256", help="--skewed: short prompt lengths, uniform in [lo,hi]")
     ap.add_argument("--steps", type=int, default=64, help="--skewed: decode steps")
     ap.add_argument("--seed", type=int, default=1, help="of the random prompts")
+    ap.add_argument("--speculative-algorithm", default=None,
+                    help="SGLang only: e.g. NGRAM, for both backends (every decode step a verify batch)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="SGLang: tokens each request verifies per step (with --speculative-algorithm)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the engine's KV cache dtype: auto, or fp8 (vLLM) / fp8_e4m3 (SGLang), for both backends")
     ap.add_argument("--mem", type=float, default=0.3, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
@@ -226,6 +230,9 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
               dtype="bfloat16", mem_fraction_static=a.mem, context_length=max_model_len,
               max_running_requests=max_num_seqs, chunked_prefill_size=max_batched, disable_radix_cache=True,
               log_level="error", random_seed=0, kv_cache_dtype=a.kv_cache_dtype)
+    if a.speculative_algorithm:
+        kw.update(speculative_algorithm=a.speculative_algorithm,
+                  speculative_num_draft_tokens=a.speculative_num_draft_tokens)
     if a.graphs:
         kw.update(cuda_graph_max_bs_decode=max_num_seqs, cuda_graph_max_bs_prefill=512)
     else:
@@ -336,6 +343,9 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            "--graphs", str(a.graphs), "--prompt-lens", a.prompt_lens, "--new", str(a.new), "--long-len",
            str(a.long_len), "--num-short", str(a.num_short), "--short-lens", a.short_lens, "--steps", str(a.steps),
            "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
+           *(["--speculative-algorithm", a.speculative_algorithm] if a.speculative_algorithm else []),
+           *(["--speculative-num-draft-tokens", str(a.speculative_num_draft_tokens)]
+             if a.speculative_num_draft_tokens else []),
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path]
     if a.compare:
         cmd.append("--compare")
@@ -455,6 +465,8 @@ def main(argv=None) -> int:
         return NO_GPU_EXIT
     if a.engine not in BACKENDS:
         raise SystemExit(f"--engine: expected vllm or sglang, got {a.engine}")
+    if a.speculative_algorithm and a.engine != "sglang":
+        raise SystemExit("--speculative-algorithm: SGLang only (--engine sglang)")
 
     if a.json_out or not (a.compare or a.skewed):  # one backend, here
         res = run_backend(a)
@@ -474,7 +486,8 @@ def main(argv=None) -> int:
     csv = ",".join(k for k, on in (("gen", a.compare), ("skewed", a.skewed)) if on)
     ev = run_child(a, "evenkv", csv)
     tr = run_child(a, "triton", csv)
-    head = f"engine={a.engine}-{ev['engine_version']} graphs={a.graphs} runner={a.runner} kv={a.kv_cache_dtype}"
+    head = (f"engine={a.engine}-{ev['engine_version']} graphs={a.graphs} runner={a.runner} kv={a.kv_cache_dtype}"
+            f"{f' spec={a.speculative_algorithm}' if a.speculative_algorithm else ''}")
     ok = True
     if a.compare:
         fields, ok_c = compare_report(a, ev, tr)

@@ -16,6 +16,9 @@
 #           layers alternating with full ones), which SGLang serves on its hybrid SWA pool (two token pools,
 #           window layers through the full->SWA mapping): evenkv and triton, CUDA graphs, prompts longer than the
 #           window; tokens and logprobs against HF (ok=1) and each other
+#   ngram   tests/e2e/compare.py --compare with --speculative-algorithm NGRAM (12 draft tokens, trees): every
+#           decode step a target-verify batch, CUDA graphs; evenkv's tokens and logprobs against HF (ok=1) and
+#           triton's
 #   server  the operator's path: `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B
 #           attention shape, dummy weights, CUDA graphs), 256 concurrent streaming requests from a localhost
 #           client, stopped by PID; start-up time and Triton compiles after start-up
@@ -120,6 +123,14 @@ step_swa() {
   run_step swa 330 200 python3 "$ROOT/tests/e2e/compare.py" "$m" --engine sglang --graphs 1 --compare
 }
 
+step_ngram() {
+  if [ ! -f "$MODEL/DONE" ]; then
+    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
+  fi
+  run_step ngram 330 200 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang --graphs 1 --compare \
+    --speculative-algorithm NGRAM --speculative-num-draft-tokens 12
+}
+
 step_server() {
   (cd "$ROOT" && run_step server 300 200 python3 -m benchmarks.serving sglang --backends evenkv --workloads chat \
     --out "$L/server" --budget 280 --min-child 200)
@@ -134,7 +145,8 @@ for s in ${@:-checks skew pytest}; do
     server) step_server ;;
     fp8) step_fp8 ;;
     swa) step_swa ;;
-    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | server)"; exit 2 ;;
+    ngram) step_ngram ;;
+    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | ngram | server)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
