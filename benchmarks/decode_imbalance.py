@@ -18,12 +18,20 @@ For each shape, total KV tokens T, page size P, batch size B and length distribu
   (device: events; host: wall time with a sync);
 * the device-to-device copy bandwidth (read + write counted) measured in the same process.
 
+``--verify 0,3,5,7`` measures each point as plain decode (K = 0) and as speculative-decoding
+verify steps of K draft tokens: every request then has q_len = 1 + K query tokens, at
+positions seq_len - q_len .. seq_len - 1, causal among them (q and the output [B * q_len, Hq,
+D], ``cu_seqlens_q`` in steps of q_len), over the same KV and page placement; the CSV's
+``q_len`` column says which, and the summary compares each verify time with the plain decode
+time of the same batch. Implementations without verify rows run the K = 0 rows only.
+
 ``--kv-dtype fp8`` quantizes the same random K/V to float8_e4m3fn (real = stored x
 ``KV_SCALES``, clamped into fp8's range) and runs what takes an fp8 cache with a bf16/fp16
 query; ``--window W`` gives every decode row keys [len - W, len) only. Implementations
 that cannot run a group (its page size, head dim, KV dtype or window) are left out of it,
 with the reason (``--list`` shows them). Bandwidth fractions count the bytes the kernel
-must read: min(len, W) tokens per request, in the cache's element size.
+must read: each KV token once (verify rows too), min(len, W + q_len - 1) tokens per request
+under a window, in the cache's element size.
 
 Writes ``<out>/<date>-<gpu>/<tag>.csv`` (one row per measurement, flushed as it goes),
 then ``summary.md`` and PNGs over every CSV in that folder (``benchmarks.report``).
@@ -32,11 +40,13 @@ then ``summary.md`` and PNGs over every CSV in that folder (``benchmarks.report`
     python -m benchmarks.decode_imbalance --T 262144,1048576 --pages 16,1 --out /tmp/res
     python -m benchmarks.decode_imbalance --shape llama3-8b,qwen2.5-7b --quick
     python -m benchmarks.decode_imbalance --quick --kv-dtype fp8 --window 4096
+    python -m benchmarks.decode_imbalance --quick --verify 0,3,5,7 --impls 'evenkv-balanced,fa3-*'
     python -m benchmarks.decode_imbalance --list           # implementations and why any is skipped
     python -m benchmarks.decode_imbalance --dry-run ...    # the points a run would measure
 """
 
 import argparse
+import dataclasses
 import datetime
 import fnmatch
 import math
@@ -81,6 +91,8 @@ KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the KV pool in -
 # unequal, so an implementation that swaps K's and V's scale fails its check; sized so that
 # N(0, 1) data up to 7 sigma (K) / 14 sigma (V) stays inside fp8's +-448.
 KV_SCALES = (2.0 ** -6, 2.0 ** -5)
+# evenkv's decode rows take up to 16 query tokens: 1 + at most 15 draft tokens.
+MAX_DRAFT_TOKENS = 15
 
 
 def dist_lengths(dist: str, total: int, batch: int):
@@ -125,6 +137,12 @@ def sweep_points(t_values, b_values, dists) -> list:
     return pts
 
 
+def point_q_lens(lens, q_lens) -> list:
+    """The query lengths of ``q_lens`` a batch of requests of ``lens`` tokens can have: each
+    request holds its query tokens, so q_len <= the shortest request."""
+    return [q for q in q_lens if q <= min(lens)]
+
+
 def check_points(points) -> list:
     """The few (B, dist) of one T where every implementation is checked against the
     reference: the smallest B, the B nearest 64 with the most skewed distribution there,
@@ -151,11 +169,13 @@ def stable_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def kv_read_bytes(lens, num_kv_heads: int, head_dim: int, elem_bytes: int, window: int = 0) -> int:
-    """Bytes of K and V a decode of requests of ``lens`` tokens must read: min(len, window)
-    tokens of each (every token without a window), Hkv x D elements of ``elem_bytes`` each,
-    for K and again for V. Example: kv_read_bytes([10, 3], 2, 64, 1, window=4) = 7 x 256."""
-    tokens = sum(min(n, window) for n in lens) if window else sum(lens)
+def kv_read_bytes(lens, num_kv_heads: int, head_dim: int, elem_bytes: int, window: int = 0, q_len: int = 1) -> int:
+    """Bytes of K and V a decode of requests of ``lens`` tokens must read, each token once
+    whatever the query tokens per request (``q_len``): every token without a window, else
+    the union of the q_len query tokens' windows, min(len, window + q_len - 1) tokens; Hkv x
+    D elements of ``elem_bytes`` each, for K and again for V.
+    Example: kv_read_bytes([10, 3], 2, 64, 1, window=4) = 7 x 256; with q_len=2, 8 x 256."""
+    tokens = sum(min(n, window + q_len - 1) for n in lens) if window else sum(lens)
     return tokens * num_kv_heads * head_dim * 2 * elem_bytes
 
 
@@ -176,6 +196,17 @@ def parse_int_list(text: str) -> tuple:
     return tuple(vals)
 
 
+def parse_verify(text: str) -> tuple:
+    """``--verify``: draft lengths K (0 = plain decode) -> the query tokens per request, 1 + K,
+    sorted. Example: '0,3,5,7' -> (1, 4, 6, 8)."""
+    drafts = parse_int_list(text)
+    bad = [k for k in drafts if not 0 <= k <= MAX_DRAFT_TOKENS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected draft lengths K in 0..{MAX_DRAFT_TOKENS} (0: plain decode), "
+                                         f"got {text!r}")
+    return tuple(sorted({1 + k for k in drafts}))
+
+
 def parse_choice_list(choices):
     def parse(text: str) -> tuple:
         vals = tuple(v.strip() for v in text.split(",") if v.strip())
@@ -189,7 +220,7 @@ def parse_choice_list(choices):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="evenkv bench", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_imbalance", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shape", type=parse_choice_list(SHAPES), default=(DEFAULT_SHAPE,),
                     help=f"comma list of shapes, or 'all' (default {DEFAULT_SHAPE}): " + ", ".join(
@@ -214,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV pool dtype: auto = --dtype; fp8 = float8_e4m3fn with per-tensor scales")
     ap.add_argument("--window", type=int, default=0,
                     help="sliding window W: each decode row reads keys [len - W, len) (default 0: none)")
+    ap.add_argument("--verify", dest="q_lens", type=parse_verify, default=(1,), metavar="K[,K...]",
+                    help="draft tokens per request, comma list: each point runs with q_len = 1 + K query tokens "
+                         f"per request (speculative verify; K <= {MAX_DRAFT_TOKENS}); 0 = plain decode (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-reps", type=int, default=5)
     ap.add_argument("--max-reps", type=int, default=None, help="timed calls per point at most (default 50)")
@@ -256,10 +290,11 @@ def kv_dtype_name(args) -> str:
     return args.dtype if args.kv_dtype == "auto" else args.kv_dtype
 
 
-def make_context(args, shape, page, device, max_batch=1, max_pages=1, num_sms=1) -> Context:
-    """The Context of one (shape, page size) group of the run ``args`` describes."""
+def make_context(args, shape, page, device, max_batch=1, max_pages=1, num_sms=1, max_q_len=1) -> Context:
+    """The Context of one (shape, page size) group of the run ``args`` describes, for batches
+    of up to ``max_q_len`` query tokens per request."""
     return Context(shape, DTYPES[args.dtype], device, page, max_batch, max_pages, 1.0 / math.sqrt(shape.head_dim),
-                   num_sms, kv_dtype=KV_DTYPES[args.kv_dtype], window=args.window)
+                   num_sms, kv_dtype=KV_DTYPES[args.kv_dtype], window=args.window, max_q_len=max_q_len)
 
 
 def impl_name(family: str, variant: str) -> str:
@@ -335,8 +370,12 @@ class Pool:
             self.k_scale, self.v_scale = KV_SCALES
             self.k, self.v = to_fp8(self.k, self.k_scale), to_fp8(self.v, self.v_scale)
 
-    def batch(self, lens, seed) -> Batch:
-        """A batch over this pool with a fresh random page placement (seeded)."""
+    def batch(self, lens, seed, q_len=1) -> Batch:
+        """A batch over this pool with a fresh random page placement (seeded: the same for
+        every q_len) and ``q_len`` query tokens per request (q and out [B * q_len, Hq, D])."""
+        if not 1 <= q_len <= min(lens):
+            raise ValueError(f"q_len: expected 1 to the shortest request's {min(lens)} tokens (a request holds its "
+                             f"query tokens), got {q_len}")
         dev, p, s = self.device, self.page_size, self.shape
         g = torch.Generator(device=dev).manual_seed(seed)
         b = len(lens)
@@ -354,35 +393,51 @@ class Pool:
         table = torch.zeros(b, max(npages), **i32)
         table[row, col] = perm
         last = torch.tensor([n - (k - 1) * p for n, k in zip(lens, npages)], **i32)
-        q = torch.randn(b, s.num_q_heads, s.head_dim, generator=g, device=dev, dtype=self.dtype)
+        q = torch.randn(b * q_len, s.num_q_heads, s.head_dim, generator=g, device=dev, dtype=self.dtype)
         out = torch.empty_like(q)
         return Batch(list(lens), torch.tensor(lens, **i32), p, table, page_indptr, perm, last, self.k, self.v, q, out,
-                     k_scale=self.k_scale, v_scale=self.v_scale)
+                     k_scale=self.k_scale, v_scale=self.v_scale, q_len=q_len)
 
 
 # ----------------------------------------------------------------------------- correctness
 
 def reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes, window=0) -> dict:
-    """{row: fp32 reference [Hq, D]} for the sampled rows, one KV head at a time (the
-    reference expands K/V to fp32 per query head, so a whole long request would not fit);
-    rows whose per-head working set exceeds ``mem_cap_bytes`` are left out. A row reads its
-    last ``window`` keys (all of them when 0); an fp8 pool is read as stored x scale, which
-    is exact (power-of-two scales)."""
-    from evenkv.kernels.reference import attention_reference
-    g = shape.group
+    """{request: fp32 reference} for the sampled requests ``rows``: [Hq, D] for plain decode
+    rows, [q_len, Hq, D] for verify rows (``batch.q_len`` > 1: token t at position
+    seq_len - q_len + t sees the keys up to it, ``extend_reference``'s causal rule). One KV
+    head at a time, over that head's keys gathered out of the pages (the reference expands
+    K/V to fp32 per query head, so a whole long request would not fit); requests whose
+    per-head working set exceeds ``mem_cap_bytes`` are left out. A token sees its last
+    ``window`` keys (all when 0); an fp8 pool is read as stored x scale, which is exact
+    (power-of-two scales)."""
+    from evenkv.kernels.reference import extend_reference
+    g, q_len, dev = shape.group, batch.q_len, batch.q.device
+    i32 = dict(dtype=torch.int32, device=dev)
     refs = {}
     for b in rows:
         n = batch.seq_lens_host[b]
-        first = max(0, n - window) if window else 0
-        if 3 * (n - first) * g * shape.head_dim * 4 > mem_cap_bytes:
+        first = max(0, n - q_len + 1 - window) if window else 0  # the first key any of its tokens sees
+        keys = n - first
+        if 3 * keys * g * shape.head_dim * 4 > mem_cap_bytes:
             continue
+        q = batch.q[batch.query_rows(b)]
+        # The gathered keys as a cache of one KV head and page size 1: key j in slot j.
+        one_request = dict(cu_seqlens_q=torch.tensor([0, q_len], **i32), seq_lens=torch.tensor([keys], **i32),
+                           page_table=torch.arange(keys, **i32)[None], page_size=1)
         parts = []
         for h in range(shape.num_kv_heads):
             k, v = (_request_kv(cache[:, h:h + 1], batch.page_table[b], n, batch.page_size, scale)[first:]
                     for cache, scale in ((batch.k_slots, batch.k_scale), (batch.v_slots, batch.v_scale)))
-            parts.append(attention_reference(batch.q[b, h * g:(h + 1) * g], k, v, sm_scale)[0])
-        refs[b] = torch.cat(parts, 0)
+            parts.append(extend_reference(q[:, h * g:(h + 1) * g], k, v, sm_scale=sm_scale,
+                                          sliding_window=window or None, **one_request))
+        ref = torch.cat(parts, 1)
+        refs[b] = ref[0] if q_len == 1 else ref
     return refs
+
+
+def request_outputs(batch, requests) -> dict:
+    """{request: its rows of ``batch.out``}, shaped as ``reference_rows`` gives them."""
+    return {b: batch.out[b] if batch.q_len == 1 else batch.out[batch.query_rows(b)] for b in requests}
 
 
 def _request_kv(cache, page_table_row, seq_len, page_size, scale) -> torch.Tensor:
@@ -408,10 +463,12 @@ def rounding_error(ref, dtype) -> float:
 
 
 def compare_rows(out, refs, dtype) -> tuple:
-    """(ok, worst relative L2 error, its tolerance). A row passes when its error is at most
-    4x the error of merely rounding the reference to ``dtype`` (measured 0.0017 for bf16,
-    a bf16-P kernel 0.0023, one 64-token tile missing from 800k tokens 0.0084). An fp8 run
-    passes fp8 here: its kernels may compute in fp8 (FA3 and XQA quantize q and P)."""
+    """(ok, worst relative L2 error, its tolerance) of each request's output ``out[request]``
+    against ``refs[request]`` (``request_outputs``, ``reference_rows``). A request passes when
+    its error is at most 4x the error of merely rounding the reference to ``dtype`` (measured
+    0.0017 for bf16, a bf16-P kernel 0.0023, one 64-token tile missing from 800k tokens
+    0.0084). An fp8 run passes fp8 here: its kernels may compute in fp8 (FA3 and XQA quantize
+    q and P)."""
     worst, worst_tol, ok = 0.0, 0.0, True
     for b, ref in refs.items():
         o = out[b].float()
@@ -532,26 +589,46 @@ class Impl:
         self.module, self.family, self.variant, self.default = module, family, variant, default
         self.name = impl_name(family, variant)
         self.version = ""
-        self.unsupported = {}  # (shape name, page size) -> why it does not run that group
+        self.unsupported = {}  # (shape name, page size, q_len) -> why it does not run those rows
+
+    def runs(self, shape_name: str, page: int, q_len: int) -> bool:
+        return (shape_name, page, q_len) not in self.unsupported
+
+    def runs_any(self, shape_name: str, page: int, q_lens) -> bool:
+        return any(self.runs(shape_name, page, q) for q in q_lens)
 
 
 def unsupported_groups(mod, args, device) -> dict:
-    """{(shape name, page size): reason} for the groups of the run that ``mod`` cannot run."""
+    """{(shape name, page size, q_len): reason} for the rows of the run that ``mod`` cannot run."""
     supports = getattr(mod, "supports", None)
     if supports is None:
         return {}
     out = {}
     for shape in args.shapes:
         for page in args.pages:
-            reason = supports(make_context(args, shape, page, device))
-            if reason:
-                out[(shape.name, page)] = reason
+            for q_len in args.q_lens:
+                reason = supports(make_context(args, shape, page, device, max_q_len=q_len))
+                if reason:
+                    out[(shape.name, page, q_len)] = reason
     return out
+
+
+def unsupported_notes(it, q_lens) -> list:
+    """One line per (shape, page size, reason) that ``it`` does not run, naming the query
+    lengths where the run has verify rows."""
+    by_reason = {}
+    for (shape, page, q_len), why in it.unsupported.items():
+        by_reason.setdefault((shape, page, why), []).append(q_len)
+    notes = []
+    for (shape, page, why), qs in by_reason.items():
+        where = f"{shape} page {page}" + (f" q_len {', '.join(map(str, sorted(qs)))}" if max(q_lens) > 1 else "")
+        notes.append(f"{it.name} not run for {where}: {why}")
+    return notes
 
 
 def discover(args, device, quiet=False) -> tuple:
     """(selected Impls, [(family, reason)] skipped): a family is skipped where it cannot run
-    here at all, or none of the run's (shape, page size) groups."""
+    here at all, or none of the run's (shape, page size, q_len) rows."""
     probe = make_context(args, args.shapes[0], 16, device)
     impls, skipped = [], []
     for modname in MODULES:
@@ -566,7 +643,7 @@ def discover(args, device, quiet=False) -> tuple:
         except Exception as e:  # noqa: BLE001
             skipped.append((mod.FAMILY, f"{type(e).__name__}: {e}"))
             continue
-        if len(unsupported) == len(args.shapes) * len(args.pages):
+        if len(unsupported) == len(args.shapes) * len(args.pages) * len(args.q_lens):
             skipped.append((mod.FAMILY, "; ".join(dict.fromkeys(unsupported.values()))))
             continue
         version = mod.version()
@@ -622,11 +699,12 @@ class Bench:
         self.writer.writerow([full[c] for c in report.COLUMNS])
         self.csv_file.flush()
 
-    def base_row(self, shape, total, page, b, dist, lens, it):
-        kv_bytes = kv_read_bytes(lens, shape.num_kv_heads, shape.head_dim, self.kv_elem_bytes, self.args.window)
+    def base_row(self, shape, total, page, b, dist, lens, it, q_len=1):
+        kv_bytes = kv_read_bytes(lens, shape.num_kv_heads, shape.head_dim, self.kv_elem_bytes, self.args.window,
+                                 q_len)
         return {"shape": shape.name, "hq": shape.num_q_heads, "hkv": shape.num_kv_heads,
                 "head_dim": shape.head_dim, "dtype": self.args.dtype, "kv_dtype": kv_dtype_name(self.args),
-                "window": self.args.window, "T": total, "B": b, "dist": dist,
+                "window": self.args.window, "T": total, "B": b, "dist": dist, "q_len": q_len,
                 "page": page, "max_len": max(lens), "min_len": min(lens), "name": it.name, "impl": it.family,
                 "variant": it.variant, "impl_version": it.version, "kv_bytes": kv_bytes,
                 "copy_rw_tbps": f"{self.copy_tbps:.4f}"}
@@ -651,67 +729,79 @@ class Bench:
         pool = Pool(shape, total, page, max_batch, self.dtype, self.device, seed, ctx.kv_dtype)
         # fp8 kernels may compute in fp8: their check tolerance follows the cache's dtype
         tol_dtype = ctx.cache_dtype if ctx.kv_fp8 else self.dtype
-        runners, bad = {}, {}  # name -> Runner; name -> (status, detail) for the whole group
+        runners = {}  # name -> Runner
+        bad = {}  # (name, q_len) -> (status, detail); (name, None): the whole group
         for it in impls:
+            max_q_len = max(q for q in a.q_lens if it.runs(shape.name, page, q))
             try:
-                runners[it.name] = load(it.module).make(it.variant, ctx)
+                runners[it.name] = load(it.module).make(it.variant, dataclasses.replace(ctx, max_q_len=max_q_len))
             except Exception as e:  # noqa: BLE001
-                bad[it.name] = ("error", "setup: " + self.handle_error(e))
+                bad[(it.name, None)] = ("error", "setup: " + self.handle_error(e))
                 if self.fatal:
                     raise Stop(self.stop_reason)
+
+        def failed(name, q_len):
+            return bad.get((name, q_len)) or bad.get((name, None))
+
         point_seed = {(b, d): stable_seed(seed, b, d) for _, b, d, _ in points}
         lens_of = {(b, d): lens for _, b, d, lens in points}
-        check_err = {}
+        check_err = {}  # (name, B, dist, q_len) -> (error, tolerance, failure)
 
-        # correctness first: a wrong implementation is not timed in this group
+        # correctness first: an implementation wrong at one q_len is not timed at it in this group
         if not a.no_check:
             for b, d in check_points(points):
-                self.check_time()
-                batch = pool.batch(lens_of[(b, d)], point_seed[(b, d)])
-                rows = sample_rows(b, a.check_rows, point_seed[(b, d)])
-                refs = reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes=12 << 30, window=a.window)
-                for it in impls:
-                    if it.name in bad:
+                for q_len in point_q_lens(lens_of[(b, d)], a.q_lens):
+                    self.check_time()
+                    here = [it for it in impls if it.runs(shape.name, page, q_len) and not failed(it.name, q_len)]
+                    if not here:
                         continue
-                    r = runners[it.name]
-                    try:
-                        run_once(r, batch)
-                        ok, err, tol = compare_rows(batch.out, refs, tol_dtype)
-                    except Exception as e:  # noqa: BLE001
-                        msg = self.handle_error(e)
-                        if self.fatal:
-                            raise Stop(self.stop_reason)
-                        check_err[(it.name, b, d)] = ("", "", f"check run failed: {msg}")
-                        continue
-                    check_err[(it.name, b, d)] = (f"{err:.3g}", f"{tol:.3g}", "")
-                    if not ok:
-                        bad[it.name] = ("wrong", f"reference check failed at B={b} {d}: rel err {err:.3g} > "
-                                                 f"tol {tol:.3g} (rows {sorted(refs)})")
-                        print(f"\n[bench] WRONG {it.name} {shape.name} T={total} page {page}: {bad[it.name][1]}",
-                              flush=True)
-                del batch, refs
+                    batch = pool.batch(lens_of[(b, d)], point_seed[(b, d)], q_len)
+                    rows = sample_rows(b, a.check_rows, point_seed[(b, d)])
+                    refs = reference_rows(batch, rows, shape, sm_scale, mem_cap_bytes=12 << 30, window=a.window)
+                    at = f"B={b} {d}" + (f" q_len={q_len}" if q_len > 1 else "")
+                    for it in here:
+                        try:
+                            run_once(runners[it.name], batch)
+                            ok, err, tol = compare_rows(request_outputs(batch, refs), refs, tol_dtype)
+                        except Exception as e:  # noqa: BLE001
+                            msg = self.handle_error(e)
+                            if self.fatal:
+                                raise Stop(self.stop_reason)
+                            check_err[(it.name, b, d, q_len)] = ("", "", f"check run failed: {msg}")
+                            continue
+                        check_err[(it.name, b, d, q_len)] = (f"{err:.3g}", f"{tol:.3g}", "")
+                        if not ok:
+                            bad[(it.name, q_len)] = ("wrong", f"reference check failed at {at}: rel err {err:.3g} > "
+                                                              f"tol {tol:.3g} (rows {sorted(refs)})")
+                            print(f"\n[bench] WRONG {it.name} {shape.name} T={total} page {page}: "
+                                  f"{bad[(it.name, q_len)][1]}", flush=True)
+                    del batch, refs
             torch.cuda.empty_cache()
 
-        for total_, b, d, lens in points:
-            self.check_time()
-            batch = pool.batch(lens, point_seed[(b, d)])
-            for it in impls:
-                bar.set_description(f"{shape.name} T={total} p{page} B={b} {d} {it.name}"[:70])
-                row = self.base_row(shape, total, page, b, d, lens, it)
-                ce = check_err.get((it.name, b, d))
-                if ce:
-                    row["check_err"], row["check_tol"] = ce[0], ce[1]
-                if it.name in bad:
-                    row["status"], row["detail"] = bad[it.name]
-                else:
-                    row.update(self.measure(runners[it.name], batch))
-                    if ce and ce[2]:
-                        row["detail"] = (row.get("detail", "") + "; " + ce[2]).strip("; ")
-                self.write(row)
-                bar.update(1)
-                if self.fatal:
-                    raise Stop(self.stop_reason)
-            del batch
+        for _, b, d, lens in points:
+            for q_len in point_q_lens(lens, a.q_lens):
+                here = [it for it in impls if it.runs(shape.name, page, q_len)]
+                if not here:
+                    continue
+                self.check_time()
+                batch = pool.batch(lens, point_seed[(b, d)], q_len)
+                for it in here:
+                    bar.set_description(f"{shape.name} T={total} p{page} B={b} {d} q{q_len} {it.name}"[:70])
+                    row = self.base_row(shape, total, page, b, d, lens, it, q_len)
+                    ce = check_err.get((it.name, b, d, q_len))
+                    if ce:
+                        row["check_err"], row["check_tol"] = ce[0], ce[1]
+                    if failed(it.name, q_len):
+                        row["status"], row["detail"] = failed(it.name, q_len)
+                    else:
+                        row.update(self.measure(runners[it.name], batch))
+                        if ce and ce[2]:
+                            row["detail"] = (row.get("detail", "") + "; " + ce[2]).strip("; ")
+                    self.write(row)
+                    bar.update(1)
+                    if self.fatal:
+                        raise Stop(self.stop_reason)
+                del batch
             if b * max(lens) // page > (64 << 20):  # a big padded page table: give it back
                 torch.cuda.empty_cache()
         del pool, runners
@@ -746,7 +836,8 @@ class Bench:
             return row(status="error", detail=self.handle_error(e))
         med = statistics.median(times)
         kvp = batch.k_pages
-        kv_bytes = kv_read_bytes(batch.seq_lens_host, kvp.shape[2], kvp.shape[3], kvp.element_size(), a.window)
+        kv_bytes = kv_read_bytes(batch.seq_lens_host, kvp.shape[2], kvp.shape[3], kvp.element_size(), a.window,
+                                 batch.q_len)
         gbps = kv_bytes / (med * 1e-6) / 1e9
         return row(status="ok", detail=detail if detail != runner.config else "", us_med=f"{med:.2f}",
                    us_p20=f"{quantile(times, 0.2):.2f}", us_p80=f"{quantile(times, 0.8):.2f}",
@@ -756,7 +847,7 @@ class Bench:
 
     # -- whole run ---------------------------------------------------------------
     def start_prebuilds(self, impls) -> list:
-        """Start the background JIT builds of every (implementation, group) the run will
+        """Start the background JIT builds of every (implementation, group, q_len) the run will
         measure, where the adapter offers them; what was started."""
         a, started = self.args, []
         for it in impls:
@@ -765,8 +856,10 @@ class Bench:
                 continue
             for shape in a.shapes:
                 for page in a.pages:
-                    if (shape.name, page) not in it.unsupported:
-                        started += prebuild(it.variant, make_context(a, shape, page, self.device))
+                    for q_len in a.q_lens:
+                        if it.runs(shape.name, page, q_len):
+                            ctx = make_context(a, shape, page, self.device, max_batch=max(a.B), max_q_len=q_len)
+                            started += prebuild(it.variant, ctx)
         return started
 
     def run(self, impls) -> str:
@@ -792,13 +885,12 @@ class Bench:
             for total in a.T:
                 pts = sweep_points((total,), a.B, a.dists)
                 for page in a.pages:
-                    here = [i for i in impls if (shape.name, page) not in i.unsupported]
+                    here = [i for i in impls if i.runs_any(shape.name, page, a.q_lens)]
                     if pts and here:
                         groups.append((shape, total, page, pts, here))
         for i in impls:
-            for (shape_name, page), why in i.unsupported.items():
-                self.notes.append(f"{i.name} not run for {shape_name} page {page}: {why}")
-        n_meas = sum(len(g[3]) * len(g[4]) for g in groups)
+            self.notes += unsupported_notes(i, a.q_lens)
+        n_meas = sum(count_measurements(shape, page, pts, here, a.q_lens) for shape, _, page, pts, here in groups)
         with open(csv_path, "w", newline="") as f:
             self.csv_file, self.writer = f, csv.writer(f)
             self.writer.writerow(report.COLUMNS)
@@ -856,6 +948,13 @@ class _PlainProgress:
               flush=True)
 
 
+def count_measurements(shape, page, points, impls, q_lens) -> int:
+    """Rows one (shape, T, page) group of ``points`` writes: one per (point, q_len it can
+    have, implementation that runs that q_len)."""
+    return sum(it.runs(shape.name, page, q) for _, _, _, lens in points for q in point_q_lens(lens, q_lens)
+               for it in impls)
+
+
 def dry_run(args) -> int:
     impls, skipped = discover(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"), quiet=True)
     total = n_meas = 0
@@ -864,9 +963,13 @@ def dry_run(args) -> int:
             pts = sweep_points((t,), args.B, args.dists)
             for page in args.pages:
                 total += len(pts)
-                n_meas += len(pts) * sum((shape.name, page) not in i.unsupported for i in impls)
+                n_meas += count_measurements(shape, page, pts, impls, args.q_lens)
+                verify = ""
+                if max(args.q_lens) > 1:
+                    batches = sum(len(point_q_lens(lens, args.q_lens)) for _, _, _, lens in pts)
+                    verify = f" x q_len {', '.join(map(str, args.q_lens))}: {batches} batches;"
                 print(f"{shape.name} {shape.num_q_heads}/{shape.num_kv_heads}/{shape.head_dim} T={t} page {page}: "
-                      f"{len(pts)} points, checks at {check_points(pts)}")
+                      f"{len(pts)} points,{verify} checks at {check_points(pts)}")
     print(f"{total} points, {len(impls)} implementations: {n_meas} measurements")
     print("implementations: " + (", ".join(i.name for i in impls) or "none available here"))
     for fam, why in skipped:
@@ -883,8 +986,8 @@ def list_impls(args) -> int:
     for i in every:
         kind, chosen_mark = "default" if i.default else "extra  ", "selected" if i.name in chosen else " " * 8
         print(f"{i.name:28s} {kind} {chosen_mark}  {i.version}")
-        for (shape, page), why in i.unsupported.items():
-            print(f"{'':28s}   not run for {shape} page {page}: {why}")
+        for note in unsupported_notes(i, args.q_lens):
+            print(f"{'':28s}   {note[len(i.name) + 1:]}")
     for fam, why in skipped:
         print(f"{fam:28s} unavailable: {why}")
     return 0
@@ -898,7 +1001,7 @@ def main(argv=None) -> int:
         return list_impls(args)
     if not torch.cuda.is_available():
         print("[bench] no CUDA device: the benchmark times GPU kernels. Use --dry-run to see the sweep, or "
-              "`evenkv demo` for a CPU (Triton interpreter) correctness demo.", file=sys.stderr)
+              "`python -m evenkv demo` for a CPU (Triton interpreter) correctness demo.", file=sys.stderr)
         return 2
     impls, _ = discover(args, torch.device("cuda"))
     if not impls:

@@ -535,7 +535,8 @@ def summarize(rows, skipped, gpu, versions, args):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="CSV path (a Markdown summary is written next to it)")
     ap.add_argument("--prompts", type=parse_ints, default=(512, 2048, 8192))
     ap.add_argument("--prefixes", type=parse_ints, default=(0, 8192, 32768))

@@ -54,7 +54,7 @@ CONFIGS = ((512, 2048, 4), (1024, 2048, 4), (2048, 1024, 4), (256, 4096, 8), (51
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.read_floor")
     ap.add_argument("--mib", default="32,64,128,256,512,1024,2048")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out")

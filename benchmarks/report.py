@@ -5,14 +5,18 @@
 
 Reads every CSV given (a folder means its ``*.csv``), keeps the last row of each
 (series, T, page, B, dist, implementation), and writes into ``--out`` (default: the
-first folder given, or the first CSV's folder). A series is a shape with its KV cache: the
-shape's name, plus ``kv=fp8`` when the KV dtype is not the model dtype and ``window=W``
-for a sliding window (CSVs without those columns hold the shape alone), so rows of
-different KV dtypes or windows are grouped, compared and plotted apart:
+first folder given, or the first CSV's folder). A series is a shape with its KV cache and
+its query rows: the shape's name, plus ``kv=fp8`` when the KV dtype is not the model dtype,
+``window=W`` for a sliding window and ``q_len=N`` for speculative-verify rows of N query
+tokens per request (CSVs without those columns hold plain decode of the shape alone), so
+rows of different KV dtypes, windows or query lengths are grouped, compared and plotted apart:
 
 * ``summary.md``: the headline numbers of ``--ours`` (worst fraction of the copy
   bandwidth over all points, worst flatness, worst and median ratio to FA3 auto and
-  to the best peer at each point), each implementation's worst point, and per
+  to the best peer at each point), each implementation's worst point; where the run has
+  verify rows, each verify time of ``--ours`` over its plain decode time on the same batch
+  and over FA3's at the same q_len, and the flatness per (B, q_len); where it has
+  evenkv-balanced-det, its time over evenkv-balanced's and fa3-ns1's; then per
   (series, T, page) the flatness table (max/min time over the distributions at each B),
   the per-point ratios and the full time table;
 * PNGs per (series, T, page): ``time_*`` (µs vs B, one panel per implementation, one
@@ -38,18 +42,30 @@ from collections import defaultdict
 COLUMNS = [
     "run", "timestamp", "gpu", "num_sms", "cc", "torch", "triton", "cuda", "evenkv", "evenkv_git",
     "flashinfer", "vllm", "sglang",
-    "shape", "hq", "hkv", "head_dim", "dtype", "kv_dtype", "window", "T", "B", "dist", "page", "max_len", "min_len",
+    "shape", "hq", "hkv", "head_dim", "dtype", "kv_dtype", "window", "T", "B", "dist", "q_len", "page", "max_len",
+    "min_len",
     "name", "impl", "variant", "impl_version", "config", "config_detail", "status", "detail",
     "us_med", "us_p20", "us_p80", "us_min", "n_rep", "plan_dev_us", "plan_host_us", "launch_host_us",
     "kv_bytes", "gbps", "frac_copy", "copy_rw_tbps", "check_err", "check_tol",
 ]
-INT_COLUMNS = ("hq", "hkv", "head_dim", "window", "T", "B", "page", "max_len", "min_len", "n_rep", "kv_bytes",
+INT_COLUMNS = ("hq", "hkv", "head_dim", "window", "T", "B", "q_len", "page", "max_len", "min_len", "n_rep", "kv_bytes",
                "num_sms")
 FLOAT_COLUMNS = ("us_med", "us_p20", "us_p80", "us_min", "plan_dev_us", "plan_host_us", "launch_host_us", "gbps",
                  "frac_copy", "copy_rw_tbps", "check_err", "check_tol")
 DIST_ORDER = ("Uniform", "Skewed40", "Skewed60", "Skewed80", "2x40")
 OURS = "evenkv-balanced"
 FA3_AUTO = "fa3-auto"
+FA3_NS1 = "fa3-ns1"
+DETERMINISTIC = "evenkv-balanced-det"
+# The targets the summary counts misses against. Verify rows: at most 1.15x the plain decode
+# of the same batch, no slower than the fastest FA3 variant at the same q_len, flat across
+# distributions within 1.10. Deterministic decode: at most 1.10x the balanced policy, no
+# slower than FA3 with one split.
+VERIFY_OVER_PLAIN_GOAL = 1.15
+VERIFY_OVER_FA3_GOAL = 1.00
+VERIFY_FLAT_GOAL = 1.10
+DET_OVER_BALANCED_GOAL = 1.10
+DET_OVER_FA3_NS1_GOAL = 1.00
 
 
 # ----------------------------------------------------------------------------- loading
@@ -91,11 +107,13 @@ def _convert(row: dict) -> dict:
         row[k] = float(v) if v not in ("", None) else None
     row["kv_dtype"] = row.get("kv_dtype") or row["dtype"]
     row["window"] = row["window"] or 0
+    row["q_len"] = row["q_len"] or 1
+    row["cache"] = cache_series(row)
     row["series"] = series(row)
     return row
 
 
-def series(r) -> str:
+def cache_series(r) -> str:
     """The shape's name, with the KV dtype where it is not the model dtype and the window."""
     label = r["shape"]
     if r["kv_dtype"] != r["dtype"]:
@@ -103,6 +121,11 @@ def series(r) -> str:
     if r["window"]:
         label += f" window={r['window']}"
     return label
+
+
+def series(r) -> str:
+    """``cache_series``, with the query tokens per request of verify rows (q_len > 1)."""
+    return r["cache"] + (f" q_len={r['q_len']}" if r["q_len"] > 1 else "")
 
 
 def read_rows(inputs) -> list:
@@ -241,6 +264,112 @@ def impl_worst(rows) -> list:
     return out
 
 
+def _worst(items, key):
+    """(worst = highest value of ``key``, the item holding it, count of items with a value)."""
+    items = [d for d in items if d[key] is not None]
+    if not items:
+        return None, None, 0
+    w = max(items, key=lambda d: d[key])
+    return w[key], w, len(items)
+
+
+def verify_ratios(rows, ours=OURS) -> list:
+    """One dict per verify point (q_len > 1) where ``ours`` is ok: "point" (cache series, T,
+    page, B, dist), "q_len", its time, "ratio_plain" = its time / its plain decode time on the
+    same batch (the q_len 1 row of that point), "ratio_fa3_auto" = its time / fa3-auto's and
+    "ratio_fa3_best" = its time / the fastest FA3 variant's ("fa3_best") at that q_len; None
+    where the other row is missing or not ok."""
+    by_point = defaultdict(dict)
+    for r in rows:
+        if is_ok(r):
+            by_point[(r["cache"], r["T"], r["page"], r["B"], r["dist"], r["q_len"])][r["name"]] = r
+    out = []
+    for key, impls in by_point.items():
+        if key[5] == 1 or ours not in impls:
+            continue
+        mine = impls[ours]["us_med"]
+        plain = by_point.get(key[:5] + (1,), {}).get(ours)
+        fa3 = {n: r["us_med"] for n, r in impls.items() if r["impl"] == "fa3"}
+        best = min(fa3, key=fa3.get) if fa3 else None
+        out.append({"point": key[:5], "q_len": key[5], "ours_us": mine,
+                    "plain_us": plain["us_med"] if plain else None,
+                    "ratio_plain": mine / plain["us_med"] if plain else None,
+                    "ratio_fa3_auto": mine / fa3[FA3_AUTO] if FA3_AUTO in fa3 else None,
+                    "fa3_best": best, "ratio_fa3_best": mine / fa3[best] if best else None})
+    out.sort(key=lambda d: (d["point"][:4], dist_rank(d["point"][4]), d["q_len"]))
+    return out
+
+
+def verify_flatness(rows, ours=OURS) -> dict:
+    """{(cache series, T, page, B, q_len): (max/min of ``ours``' time over the distributions,
+    number of distributions)} for the verify rows (q_len > 1)."""
+    flats = flatness(rows)
+    return {(r["cache"], r["T"], r["page"], r["B"], r["q_len"]): flats[(r["series"], r["T"], r["page"], r["B"], ours)]
+            for r in rows if r["name"] == ours and r["q_len"] > 1 and is_ok(r)}
+
+
+def verify_summary(rows, ours=OURS) -> list:
+    """Per (cache series, T, page, q_len) of verify rows: the worst of each ratio of
+    ``verify_ratios`` and of ``verify_flatness``, where it is, and how many miss their goal."""
+    groups = defaultdict(list)
+    for d in verify_ratios(rows, ours):
+        groups[d["point"][:3] + (d["q_len"],)].append(d)
+    flats = verify_flatness(rows, ours)
+    out = []
+    for g in sorted(groups):
+        ds = groups[g]
+        f = [{"B": k[3], "flat": v[0]} for k, v in flats.items() if k[:3] + (k[4],) == g and v[1] > 1]
+        s = {"group": g, "points": len(ds)}
+        s["plain_worst"], w, s["plain_n"] = _worst(ds, "ratio_plain")
+        s["plain_worst_at"] = w and w["point"]
+        s["plain_over"] = sum(d["ratio_plain"] > VERIFY_OVER_PLAIN_GOAL for d in ds if d["ratio_plain"] is not None)
+        s["fa3_auto_worst"], _, _ = _worst(ds, "ratio_fa3_auto")
+        s["fa3_best_worst"], w, s["fa3_n"] = _worst(ds, "ratio_fa3_best")
+        s["fa3_best_worst_at"], s["fa3_best_worst_impl"] = (w["point"], w["fa3_best"]) if w else (None, None)
+        s["fa3_over"] = sum(d["ratio_fa3_best"] > VERIFY_OVER_FA3_GOAL for d in ds if d["ratio_fa3_best"] is not None)
+        s["flat_worst"], w, s["flat_n"] = _worst(f, "flat")
+        s["flat_worst_b"] = w and w["B"]
+        s["flat_over"] = sum(x["flat"] > VERIFY_FLAT_GOAL for x in f)
+        out.append(s)
+    return out
+
+
+def deterministic_ratios(rows, det=DETERMINISTIC, balanced=OURS, fa3_ns1=FA3_NS1) -> list:
+    """One dict per point where ``det`` is ok: "ratio_balanced" = its time / ``balanced``'s,
+    "ratio_fa3_ns1" = its time / ``fa3_ns1``'s at that point (None where that row is not ok)."""
+    by_point = defaultdict(dict)
+    for r in rows:
+        if is_ok(r):
+            by_point[point_key(r)][r["name"]] = r["us_med"]
+    out = []
+    for p, t in by_point.items():
+        if det in t:
+            out.append({"point": p, "det_us": t[det],
+                        "ratio_balanced": t[det] / t[balanced] if balanced in t else None,
+                        "ratio_fa3_ns1": t[det] / t[fa3_ns1] if fa3_ns1 in t else None})
+    out.sort(key=lambda d: (d["point"][:4], dist_rank(d["point"][4])))
+    return out
+
+
+def deterministic_summary(rows) -> list:
+    """Per (series, T, page): worst and median of each ``deterministic_ratios`` ratio, where the
+    worst is, and how many points miss their goal."""
+    groups = defaultdict(list)
+    for d in deterministic_ratios(rows):
+        groups[group_key_from_point(d["point"])].append(d)
+    out = []
+    for g in sorted(groups):
+        ds = groups[g]
+        s = {"group": g, "points": len(ds)}
+        for key, goal in (("ratio_balanced", DET_OVER_BALANCED_GOAL), ("ratio_fa3_ns1", DET_OVER_FA3_NS1_GOAL)):
+            s[key + "_worst"], w, s[key + "_n"] = _worst(ds, key)
+            s[key + "_worst_at"] = w and w["point"]
+            s[key + "_median"] = _worst_and_median(d[key] for d in ds)[1]
+            s[key + "_over"] = sum(d[key] > goal for d in ds if d[key] is not None)
+        out.append(s)
+    return out
+
+
 # ----------------------------------------------------------------------------- markdown
 
 def _f(v, spec=".2f", none="–"):
@@ -298,7 +427,8 @@ def summary_markdown(rows, ours=OURS, sources=(), notes=()) -> str:
     out += ["- Protocol: same KV pool, same random page placement and same q for every implementation; the long "
             "request(s) at batch index 0 (and 1); CUDA events around the attention call only; 256 MiB L2 flush "
             "before each timed call; median (p20/p80 in the CSV) of 5-50 calls; plan/prepare timed apart. "
-            "Fraction = KV bytes read (min(len, window) tokens per request, in the cache's element size) / time / "
+            "Fraction = KV bytes read (each token once, verify rows too; min(len, window + q_len - 1) tokens per "
+            "request under a window; in the cache's element size) / time / "
             "copy bandwidth (a read-only kernel can exceed 100 %). "
             "Ratio = ours / other (< 1: ours faster)."]
     out += [f"- {n}" for n in notes]
@@ -334,6 +464,9 @@ def summary_markdown(rows, ours=OURS, sources=(), notes=()) -> str:
             seen.setdefault((r["name"], r["status"], r["detail"][:160]), []).append(r)
         body = [[n, s, d, len(rs), fmt_point(point_key(rs[0]))] for (n, s, d), rs in seen.items()]
         out += _table(["implementation", "status", "detail", "points", "first point"], body)
+
+    out += verify_markdown(rows, ours)
+    out += deterministic_markdown(rows)
 
     flats = flatness(rows)
     ratios = point_ratios(rows, ours)
@@ -391,6 +524,91 @@ def summary_markdown(rows, ours=OURS, sources=(), notes=()) -> str:
 
 def group_key_from_point(p) -> tuple:
     return p[:3]
+
+
+def _over(count, n) -> str:
+    return f"{count}/{n}" if n else "–"
+
+
+def verify_markdown(rows, ours=OURS) -> list:
+    """The verify section: one summary line per (cache series, T, page, q_len), then per
+    (cache series, T, page) each point's verify / plain and verify / fastest FA3, and the
+    flatness at each B. Nothing without verify rows of ``ours``."""
+    summary = verify_summary(rows, ours)
+    if not summary:
+        return []
+    out = [f"## Speculative verify: {ours}", "",
+           f"Verify rows: q_len = 1 + K query tokens per request (K draft tokens). Ratios of {ours}'s verify time "
+           f"to its plain decode time on the same batch (goal <= {VERIFY_OVER_PLAIN_GOAL:.2f}), to fa3-auto's and to "
+           f"the fastest FA3 variant's at the same q_len (goal <= {VERIFY_OVER_FA3_GOAL:.2f}); flatness = max/min "
+           f"over the distributions at one B (goal <= {VERIFY_FLAT_GOAL:.2f}); over = points missing the goal.", ""]
+    header = ["series", "T", "page", "q_len", "points", "verify / plain: worst (at)", "over",
+              "/ fa3-auto: worst", "/ fastest FA3: worst (at)", "over", "flatness: worst (B)", "over"]
+    body = []
+    for s in summary:
+        cache, t, page, q_len = s["group"]
+        at = s["plain_worst_at"]
+        fat = s["fa3_best_worst_at"]
+        body.append([cache, t, page, q_len, s["points"],
+                     f"{_f(s['plain_worst'])} ({at[3]} {at[4]})" if at else "–",
+                     _over(s["plain_over"], s["plain_n"]), _f(s["fa3_auto_worst"]),
+                     f"{_f(s['fa3_best_worst'])} ({fat[3]} {fat[4]}, {s['fa3_best_worst_impl']})" if fat else "–",
+                     _over(s["fa3_over"], s["fa3_n"]),
+                     f"{_f(s['flat_worst'])} ({s['flat_worst_b']})" if s["flat_n"] else "–",
+                     _over(s["flat_over"], s["flat_n"])])
+    out += _table(header, body)
+    ratios = verify_ratios(rows, ours)
+    flats = verify_flatness(rows, ours)
+    for g in sorted({d["point"][:3] for d in ratios}):
+        here = [d for d in ratios if d["point"][:3] == g]
+        q_lens = sorted({d["q_len"] for d in here})
+        cell = {(d["point"][3], d["point"][4], d["q_len"]): d for d in here}
+        out += [f"### Verify, {g[0]}, T = {g[1]}, page size {g[2]}: verify / plain and / fastest FA3", ""]
+        body = []
+        for b in sorted({d["point"][3] for d in here}):
+            dists = sorted({d["point"][4] for d in here if d["point"][3] == b}, key=dist_rank)
+            for dist in dists:
+                row = [b, dist]
+                for q in q_lens:
+                    d = cell.get((b, dist, q))
+                    row.append(f"{_f(d['ratio_plain'])} / {_f(d['ratio_fa3_best'])}" if d else "–")
+                body.append(row)
+            if len(dists) > 1:
+                body.append([b, "flatness"] + [_f(flats[g + (b, q)][0]) if g + (b, q) in flats else "–"
+                                               for q in q_lens])
+        out += _table(["B", "dist"] + [f"q_len={q}" for q in q_lens], body)
+    return out
+
+
+def deterministic_markdown(rows) -> list:
+    """The deterministic section: per (series, T, page) the worst and median of
+    evenkv-balanced-det over evenkv-balanced and over fa3-ns1, then each point's two ratios.
+    Nothing without ok evenkv-balanced-det rows."""
+    summary = deterministic_summary(rows)
+    if not summary:
+        return []
+    out = [f"## Deterministic: {DETERMINISTIC}", "",
+           f"Its time over {OURS}'s (goal <= {DET_OVER_BALANCED_GOAL:.2f}) and over {FA3_NS1}'s (goal <= "
+           f"{DET_OVER_FA3_NS1_GOAL:.2f}) at each point; over = points missing the goal.", ""]
+    body = []
+    for s in summary:
+        row = list(s["group"]) + [s["points"]]
+        for key in ("ratio_balanced", "ratio_fa3_ns1"):
+            at = s[key + "_worst_at"]
+            row += [f"{_f(s[key + '_worst'])} ({at[3]} {at[4]}) / {_f(s[key + '_median'])}" if at else "–",
+                    _over(s[key + "_over"], s[key + "_n"])]
+        body.append(row)
+    out += _table(["series", "T", "page", "points", f"/ {OURS}: worst (at) / median", "over",
+                   f"/ {FA3_NS1}: worst (at) / median", "over"], body)
+    ratios = deterministic_ratios(rows)
+    for g in sorted({group_key_from_point(d["point"]) for d in ratios}):
+        cell = {d["point"][3:]: d for d in ratios if group_key_from_point(d["point"]) == g}
+        dists = sorted({k[1] for k in cell}, key=dist_rank)
+        out += [f"### Deterministic, {g[0]}, T = {g[1]}, page size {g[2]}: / {OURS} and / {FA3_NS1}", ""]
+        body = [[b] + [f"{_f(cell[(b, dist)]['ratio_balanced'])} / {_f(cell[(b, dist)]['ratio_fa3_ns1'])}"
+                       if (b, dist) in cell else "–" for dist in dists] for b in sorted({k[0] for k in cell})]
+        out += _table(["B"] + dists, body)
+    return out
 
 
 def _exists(sub, b, dist) -> bool:
@@ -504,7 +722,7 @@ def format_headline(h) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help="result CSVs or folders holding them")
     ap.add_argument("--out", default=None, help="where summary.md and the PNGs go")

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Serving benchmark: evenkv against the engines' own attention backends, end to end, on
-full-size model shapes and serving workloads. One child process per (engine, shape,
+full-size model shapes and serving workloads. One child process per (engine, mode, shape,
 backend), so two engines never share a process; one CSV row per workload.
 
-    python -m benchmarks.serving vllm   --out DIR [--backends evenkv,FLASH_ATTN] [--shapes qwen3-8b]
-    python -m benchmarks.serving sglang --out DIR [--backends evenkv,triton] [--shapes qwen3-30b-a3b-attn]
+    python -m benchmarks.serving vllm   --out DIR [--backends evenkv,FLASH_ATTN] [--mode default,batch-invariant]
+    python -m benchmarks.serving sglang --out DIR [--backends evenkv,fa3,triton] [--mode spec-ngram] [--tp 1]
     python -m benchmarks.serving report DIR       # summary.md and plots from DIR/serving.csv
 
 Models: dense Qwen3 configs with random weights (``load_format="dummy"``; only config.json
@@ -20,24 +20,52 @@ device run affords; prompts are random token ids, decoding is greedy with ignore
   chat-rate      the chat mix arriving as a Poisson process (latency under load)
   long-mix       2 (quick) or 4 requests of 64K-128K tokens among 1200 (quick 1100) short chats,
                  so more than 992 requests decode together
+  long-context   4 prompts of 64K tokens among 28 of 2K, 128 output tokens each (32 requests;
+                 the same at both sizes): few long contexts, where one split per KV head hurts
   prefill-heavy  8K-32K-token prompts, 64-token outputs, 64 requests (quick 16)
   many-short     2048 requests of ~200-token prompts, 512-token outputs (quick 96)
+
+Modes (``--mode``, repeatable or a comma list; every backend runs in each):
+  default          the engine as configured below
+  batch-invariant  vLLM with ``VLLM_BATCH_INVARIANT=1``, SGLang with ``--enable-deterministic-inference``
+  spec-ngram       n-gram speculative decoding (no draft model): vLLM
+                   ``speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                   "prompt_lookup_min"/"max": ...}``, SGLang ``--speculative-algorithm NGRAM`` with
+                   K + 1 draft tokens (the verify row's length) and a BFS breadth of
+                   ``--ngram-breadth`` (1: a chain as in vLLM; SGLang's own default is a tree of 10)
 
 Engines:
   vllm    in-process ``LLMEngine`` stepped by hand (each step timed; a step in which every
           running request already had its first token is a decode step). Backends are
-          vLLM's names; ``evenkv`` means ``CUSTOM`` (the evenkv plugin). CUDA graphs of decode
-          steps (FULL_DECODE_ONLY, vLLM's capture sizes up to the batch limit), torch.compile
-          off (mode 0), chunked prefill with 16384-token steps, no prefix caching.
+          vLLM's names; ``evenkv`` means ``CUSTOM`` (the evenkv plugin); the default is
+          ``FLASH_ATTN`` (FA3). CUDA graphs of decode steps (FULL_DECODE_ONLY, vLLM's capture
+          sizes up to the batch limit), torch.compile off (mode 0; ``--vllm-compile`` gives
+          mode 3 with custom_ops ["none"]), chunked prefill with 16384-token steps, no
+          prefix caching.
   sglang  the HTTP server (``python -m sglang.launch_server``), started per backend and
-          driven by a streaming client on localhost (aiohttp), as an operator runs it:
-          startup time, Triton kernels compiled during startup and during the workloads
-          (``TRITON_CACHE_DIR`` is fresh per server), TTFT and TPOT from the stream.
+          driven by a streaming client on localhost (aiohttp), as an operator runs it. The
+          default is ``fa3`` (SGLang's Hopper default), ``triton`` a second baseline.
 
-Metrics per (engine, shape, backend, workload): output tokens/s, requests/s, TTFT and TPOT
-p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per request), decode
-step p50 (vLLM), peak requests in flight. ``summary.md`` gives each backend's ratio to the
-engine's default backend (``--default``).
+Start-up, apart from the workloads: ``startup_s`` is the child's wall time from its start to
+a ready engine (imports included), ``engine_init_s`` the engine's own part (vLLM: the
+``LLM()`` call; SGLang: the server's first log line to a healthy ``/health``), ``import_s``
+the engine imports (vLLM). Children start in an order that rotates per (repeat, mode,
+shape) group (``--first`` picks who starts the first group); ``start_order`` is a child's
+position in the whole run. ``--triton-cache fresh`` gives each child an empty
+``TRITON_CACHE_DIR``; ``shared`` keeps one per (engine, shape, backend) across children and
+runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
+``triton_cache`` says whether a child found its cache empty (cold) or not (warm). Triton
+compiles are counted in the cache directory: at start-up, during the untimed warm-up
+requests after ready (``compiled_during_warmup``, kernel names) and during each workload
+(``triton_compiles_run`` and ``compiled_during_run``, kernel names, ``;``-joined); the
+start-up compiles' names are in ``DIR/compiled-startup-<child>.txt``.
+
+Metrics per (engine, mode, tp, shape, backend, workload): output tokens/s, requests/s, TTFT
+and TPOT p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per request),
+decode step p50 (vLLM), peak requests in flight, ``tokens_per_step`` (new tokens per request
+per engine step after its first: 1 without speculation, more when drafts were accepted).
+``summary.md`` gives each backend's ratios to the engine's default backend in the same
+mode, tp, shape, workload and repeat, and its start-up difference.
 """
 
 from __future__ import annotations
@@ -57,6 +85,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PROCESS_START = time.time()  # a child's start-up is counted from here
 VOCAB_LOW = 3  # random prompt ids skip the special ids 0..2
 CHUNK_TOKENS = 16384  # tokens per engine step (chunked prefill), both engines
 
@@ -67,12 +96,16 @@ SHAPES = {
                                intermediate_size=6144, num_hidden_layers=48),
 }
 ENGINE_BACKENDS = {"vllm": {"evenkv": "CUSTOM"}, "sglang": {}}
-DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "triton"}
-WORKLOADS = ("chat", "chat-rate", "long-mix", "prefill-heavy", "many-short")
-COLUMNS = ["engine", "engine_version", "shape", "backend", "workload", "graphs", "requests", "prompt_tokens",
-           "output_tokens", "makespan_s", "output_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-           "tpot_p99_ms", "decode_step_p50_ms", "decode_steps", "max_in_flight", "startup_s",
-           "triton_compiles_startup", "triton_compiles_run", "status"]
+DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "fa3"}
+BASELINES = {"vllm": ["FLASH_ATTN"], "sglang": ["fa3", "triton"]}  # run beside evenkv by default
+WORKLOADS = ("chat", "chat-rate", "long-mix", "long-context", "prefill-heavy", "many-short")
+MODES = ("default", "batch-invariant", "spec-ngram")
+COLUMNS = ["engine", "engine_version", "mode", "tp", "shape", "backend", "workload", "graphs", "torch_compile", "spec",
+           "repeat", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
+           "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
+           "decode_steps", "tokens_per_step", "max_in_flight", "startup_s", "engine_init_s", "import_s",
+           "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
+           "compiled_during_run", "status"]
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -117,6 +150,13 @@ def _chat_lens(rng: random.Random, n: int, out_lo: int, out_hi: int, median: int
     return prompts, [rng.randint(out_lo, out_hi) for _ in range(n)]
 
 
+def _insert_long(prompts: list[int], outs: list[int], long_lens: list[int], long_out: int):
+    """Put the long requests evenly among the short ones, as they would sit in live traffic."""
+    for i, n in enumerate(long_lens):
+        prompts.insert((i + 1) * len(prompts) // (len(long_lens) + 1), n)
+        outs.insert((i + 1) * len(outs) // (len(long_lens) + 1), long_out)
+
+
 def make_workload(name: str, size: str = "quick", seed: int = 0, rate: float = 16.0) -> Workload:
     """The named workload at ``size`` ("full" or "quick"), deterministic in ``seed``."""
     if size not in ("full", "quick"):
@@ -137,10 +177,11 @@ def make_workload(name: str, size: str = "quick", seed: int = 0, rate: float = 1
         n_long, n_short = (4, 1200) if full else (2, 1100)
         prompts, outs = _chat_lens(rng, n_short, 256, 256) if full else _chat_lens(rng, n_short, 64, 64, 256, 16, 1024)
         long_lens = [rng.randint(65536, 131072) for _ in range(n_long)]
-        # The long requests sit among the short ones, as they would in live traffic.
-        for i, n in enumerate(long_lens):
-            prompts.insert((i + 1) * len(prompts) // (n_long + 1), n)
-            outs.insert((i + 1) * len(outs) // (n_long + 1), outs[0])
+        _insert_long(prompts, outs, long_lens, outs[0])
+        return Workload(name, prompts, outs)
+    if name == "long-context":
+        prompts, outs = [2048] * 28, [128] * 28
+        _insert_long(prompts, outs, [65536] * 4, 128)
         return Workload(name, prompts, outs)
     if name == "prefill-heavy":
         n = 64 if full else 16
@@ -169,6 +210,7 @@ class RequestTiming:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    steps: int = 0  # engine steps (vLLM) or stream events (SGLang) that brought new tokens
 
     def record(self, now: float, new_tokens: int):
         if new_tokens <= 0:
@@ -177,6 +219,7 @@ class RequestTiming:
             self.first_token = now
         self.last_token = now
         self.tokens += new_tokens
+        self.steps += 1
 
 
 def quantile(xs, q: float) -> float | None:
@@ -195,6 +238,8 @@ def summarize(w: Workload, timings: list[RequestTiming], decode_steps: list[floa
     out_tokens = sum(t.tokens for t in timings)
     ttft = [t.first_token - t.arrival for t in done]
     tpot = [(t.last_token - t.first_token) / (t.tokens - 1) for t in done if t.tokens > 1]
+    # The first step brings the first token alone; each later step 1 + the accepted drafts.
+    per_step = [(t.tokens - 1) / (t.steps - 1) for t in done if t.steps > 1]
 
     def ms(v):
         return None if v is None else round(v * 1e3, 3)
@@ -207,6 +252,7 @@ def summarize(w: Workload, timings: list[RequestTiming], decode_steps: list[floa
             "ttft_p50_ms": ms(quantile(ttft, 0.5)), "ttft_p99_ms": ms(quantile(ttft, 0.99)),
             "tpot_p50_ms": ms(quantile(tpot, 0.5)), "tpot_p99_ms": ms(quantile(tpot, 0.99)),
             "decode_step_p50_ms": ms(quantile(decode_steps, 0.5)), "decode_steps": len(decode_steps),
+            "tokens_per_step": round(sum(per_step) / len(per_step), 3) if per_step else None,
             "max_in_flight": max_in_flight, "status": "ok" if not short else f"incomplete:{len(short)}"}
 
 
@@ -220,7 +266,60 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s < max_batch] + [max_batch]
 
 
-def vllm_llm(model: Path, backend: str, max_model_len: int, max_num_seqs: int, graphs: bool, mem: float):
+@dataclass(frozen=True)
+class EngineSetup:
+    """What a child's engine runs with besides the backend: the mode, tensor parallelism,
+    CUDA graphs, vLLM's torch.compile mode and the n-gram speculation knobs."""
+
+    mode: str = "default"
+    tp: int = 1
+    graphs: bool = True
+    torch_compile: int = 0  # vLLM compilation mode: 0 (off) or 3 (VLLM_COMPILE)
+    spec_tokens: int = 3  # spec-ngram: draft tokens per step (vLLM K; SGLang verifies K + 1 tokens)
+    ngram_min: int = 2  # spec-ngram, vLLM: shortest n-gram matched
+    ngram_max: int = 4  # spec-ngram, vLLM: longest n-gram matched
+    ngram_breadth: int = 1  # spec-ngram, SGLang: BFS breadth (1 = a chain of drafts)
+
+    def spec_label(self, engine: str) -> str:
+        if self.mode != "spec-ngram":
+            return ""
+        if engine == "vllm":
+            return f"ngram:k={self.spec_tokens},n={self.ngram_min}-{self.ngram_max}"
+        return f"NGRAM:draft={self.spec_tokens + 1},breadth={self.ngram_breadth}"
+
+
+def mode_env(engine: str, mode: str) -> dict:
+    """Environment variables a mode needs in the engine's process (set before the engine imports)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    return {"VLLM_BATCH_INVARIANT": "1"} if engine == "vllm" and mode == "batch-invariant" else {}
+
+
+def vllm_llm_kwargs(model: Path, backend: str, max_model_len: int, max_num_seqs: int, mem: float,
+                    setup: EngineSetup) -> dict:
+    """The ``vllm.LLM`` arguments of one child (batch-invariant mode is an environment variable)."""
+    compilation = {"mode": setup.torch_compile, "custom_ops": ["none"]}
+    # A decode step of a speculative batch holds 1 + K tokens per request: graph sizes are in tokens.
+    per_request = 1 + setup.spec_tokens if setup.mode == "spec-ngram" else 1
+    if setup.graphs:
+        compilation.update(cudagraph_mode="FULL_DECODE_ONLY",
+                           cudagraph_capture_sizes=[s * per_request for s in capture_sizes(max_num_seqs)])
+    else:
+        compilation["cudagraph_mode"] = "NONE"
+    kw = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              attention_backend=backend, gpu_memory_utilization=mem, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=CHUNK_TOKENS, enable_chunked_prefill=True,
+              enable_prefix_caching=False, async_scheduling=False, seed=0, enforce_eager=not setup.graphs,
+              tensor_parallel_size=setup.tp, compilation_config=compilation,
+              # The device kit's vLLM has no compiled _C: norms run as PyTorch ops for every backend alike.
+              kernel_config={"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}})
+    if setup.mode == "spec-ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": setup.spec_tokens,
+                                    "prompt_lookup_min": setup.ngram_min, "prompt_lookup_max": setup.ngram_max}
+    return kw
+
+
+def vllm_llm(model: Path, backend: str, max_model_len: int, max_num_seqs: int, mem: float, setup: EngineSetup):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
@@ -228,18 +327,7 @@ def vllm_llm(model: Path, backend: str, max_model_len: int, max_num_seqs: int, g
         from evenkv.integrations.vllm import register
 
         register()
-    compilation = {"mode": 0, "custom_ops": ["none"]}
-    if graphs:
-        compilation.update(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=capture_sizes(max_num_seqs))
-    else:
-        compilation["cudagraph_mode"] = "NONE"
-    # The device kit's vLLM has no compiled _C: norms run as PyTorch ops for every backend alike.
-    return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-               attention_backend=backend, gpu_memory_utilization=mem, max_model_len=max_model_len,
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=CHUNK_TOKENS, enable_chunked_prefill=True,
-               enable_prefix_caching=False, async_scheduling=False, seed=0, enforce_eager=not graphs,
-               compilation_config=compilation,
-               kernel_config={"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}})
+    return LLM(**vllm_llm_kwargs(model, backend, max_model_len, max_num_seqs, mem, setup))
 
 
 def vllm_serve(llm, w: Workload, prompts: list[list[int]]) -> dict:
@@ -290,21 +378,29 @@ def vllm_serve(llm, w: Workload, prompts: list[list[int]]) -> dict:
 # -- SGLang (HTTP server, streaming client) ----------------------------------------------------
 
 
-def sglang_server_cmd(model: Path, backend: str, port: int, max_model_len: int, max_running: int,
-                      graphs: bool, mem: float) -> list[str]:
+def sglang_server_cmd(model: Path, backend: str, port: int, max_model_len: int, max_running: int, mem: float,
+                      setup: EngineSetup) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
            "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
            "--sampling-backend", "pytorch", "--dtype", "bfloat16", "--mem-fraction-static", str(mem),
            "--context-length", str(max_model_len), "--max-running-requests", str(max_running),
            "--chunked-prefill-size", str(CHUNK_TOKENS), "--disable-radix-cache", "--random-seed", "0",
-           "--log-level", "warning"]
-    cmd += ["--cuda-graph-max-bs-decode", str(max_running)] if graphs else ["--disable-cuda-graph"]
+           "--tp-size", str(setup.tp), "--log-level", "info"]
+    cmd += ["--cuda-graph-max-bs-decode", str(max_running)] if setup.graphs else ["--disable-cuda-graph"]
+    if setup.mode == "batch-invariant":
+        cmd += ["--enable-deterministic-inference"]
+    elif setup.mode == "spec-ngram":
+        # SGLang counts the verified row's tokens (the last accepted token + K drafts) as draft tokens.
+        cmd += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(setup.spec_tokens + 1),
+                "--speculative-ngram-min-bfs-breadth", "1",
+                "--speculative-ngram-max-bfs-breadth", str(setup.ngram_breadth)]
     return cmd
 
 
-def stream_token_counts(body_lines):
-    """Completion-token counts from SGLang's ``/generate`` server-sent events, one per event
-    that carries ``meta_info.completion_tokens`` (the stream ends with ``data: [DONE]``)."""
+def stream_meta(body_lines):
+    """The ``meta_info`` of each of SGLang's ``/generate`` server-sent events (``completion_tokens``
+    so far; ``spec_verify_ct``, the verify steps, under speculative decoding); the stream ends
+    with ``data: [DONE]``."""
     for raw in body_lines:
         line = raw.decode() if isinstance(raw, bytes) else raw
         line = line.strip()
@@ -313,7 +409,7 @@ def stream_token_counts(body_lines):
         payload = line[5:].strip()
         if payload == "[DONE]":
             return
-        yield json.loads(payload)["meta_info"]["completion_tokens"]
+        yield json.loads(payload)["meta_info"]
 
 
 async def http_serve(url: str, w: Workload, prompts: list[list[int]]) -> dict:
@@ -329,14 +425,19 @@ async def http_serve(url: str, w: Workload, prompts: list[list[int]]) -> dict:
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": w.output_lens[i], "ignore_eos": True}}
         in_flight[0] += 1
         in_flight[1] = max(in_flight[1], in_flight[0])
-        seen = 0
+        seen, verify_steps = 0, 0
         async with session.post(url + "/generate", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"/generate answered {r.status}: {(await r.text())[:300]}")
             async for line in r.content:
-                for count in stream_token_counts([line]):
+                for meta in stream_meta([line]):
+                    count = meta["completion_tokens"]
                     timings[i].record(time.perf_counter() - t0, count - seen)
                     seen = max(seen, count)
+                    verify_steps = meta.get("spec_verify_ct", verify_steps)
+        # The server may merge steps into one event under load, so events do not count steps;
+        # under speculation the server counts its verify steps (the prefill brings the first token).
+        timings[i].steps = verify_steps + 1 if verify_steps else 0
         in_flight[0] -= 1
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -377,13 +478,58 @@ def stop_server(proc: subprocess.Popen):
             pass
 
 
-def count_compiled(cache_dir: Path) -> int:
-    """Triton kernels compiled into a cache directory (one folder per compiled specialization)."""
-    return sum(1 for d in cache_dir.iterdir() if any(f.suffix == ".cubin" for f in d.iterdir())) \
-        if cache_dir.exists() else 0
+BINARY_SUFFIXES = (".cubin", ".hsaco")
+
+
+def compiled_kernels(cache_dir: Path) -> dict[str, str]:
+    """{cache entry: kernel name} of the Triton kernels compiled into ``cache_dir``: Triton
+    keeps each compiled specialization in its own folder, beside the binary a ``NAME.json``
+    whose ``name`` field is the kernel's name."""
+    found = {}
+    if not cache_dir.exists():
+        return found
+    for entry in sorted(d for d in cache_dir.iterdir() if d.is_dir()):
+        for binary in sorted(f for f in entry.iterdir() if f.suffix in BINARY_SUFFIXES):
+            try:
+                name = json.loads(binary.with_suffix(".json").read_text()).get("name", binary.stem)
+            except (OSError, ValueError):
+                name = binary.stem
+            found[entry.name] = name
+            break
+    return found
+
+
+def compiled_since(before: dict[str, str], cache_dir: Path) -> list[str]:
+    """Names of the kernels compiled into ``cache_dir`` since ``before`` (sorted; repeats kept)."""
+    return sorted(name for entry, name in compiled_kernels(cache_dir).items() if entry not in before)
 
 
 # -- child: one engine, one shape, one backend --------------------------------------------------
+
+
+class ServerLog:
+    """Copies a server's output to this process's stdout and remembers when its first line came
+    (the server's imports are done then), so start-up splits into imports and engine init."""
+
+    def __init__(self, proc: subprocess.Popen):
+        import threading
+
+        self.first_line_at: float | None = None
+        self._thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream):
+        for line in stream:
+            if self.first_line_at is None:
+                self.first_line_at = time.time()
+            sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def child_setup(a) -> EngineSetup:
+    return EngineSetup(mode=a.mode, tp=a.tp, graphs=a.graphs, torch_compile=3 if a.vllm_compile else 0,
+                       spec_tokens=a.spec_tokens, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
+                       ngram_breadth=a.ngram_breadth)
 
 
 def run_child(a, rows: list[dict]):
@@ -395,54 +541,84 @@ def run_child(a, rows: list[dict]):
     model = write_model(a.shape, Path(a.model_dir) / a.shape, max_len)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     backend = ENGINE_BACKENDS[a.engine].get(a.backend, a.backend)
-    base = {"engine": a.engine, "shape": a.shape, "backend": a.backend, "graphs": int(a.graphs)}
-    # The parent gives each child a fresh TRITON_CACHE_DIR: startup compiles count as startup.
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="evenkv-triton-cache-")))
+    setup = child_setup(a)
+    os.environ.update(mode_env(a.engine, a.mode))
+    base = {"engine": a.engine, "mode": a.mode, "tp": a.tp, "shape": a.shape, "backend": a.backend,
+            "graphs": int(a.graphs), "torch_compile": setup.torch_compile if a.engine == "vllm" else "",
+            "spec": setup.spec_label(a.engine), "repeat": a.repeat, "start_order": a.start_order}
+    # The parent gives each child its TRITON_CACHE_DIR (fresh, or shared across children).
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="evenkv-triton-cache-"))
     os.environ["TRITON_CACHE_DIR"] = str(cache)
+    at_start = compiled_kernels(cache)
+    base["triton_cache"] = "warm" if at_start else "cold"
     warmup = Workload("warmup", [64, 3000, 17], [8, 8, 8])  # untimed: whatever loads lazily on first use
-    t = time.time()
     if a.engine == "vllm":
+        t = time.time()
         import vllm
+        from vllm import LLM  # noqa: F401  (the import cost belongs to import_s)
 
-        base["engine_version"] = vllm.__version__
-        llm = vllm_llm(model, backend, max_len, max_seqs, a.graphs, a.mem)
-        base["startup_s"] = round(time.time() - t, 1)
-        base["triton_compiles_startup"] = count_compiled(cache)
-        serve, stop = (lambda w: vllm_serve(llm, w, prompt_ids(w, vocab, a.seed))), None
+        t_llm = time.time()
+        base.update(engine_version=vllm.__version__, import_s=round(t_llm - t, 1))
+        llm = vllm_llm(model, backend, max_len, max_seqs, a.mem, setup)
+        base.update(engine_init_s=round(time.time() - t_llm, 1), startup_s=round(time.time() - PROCESS_START, 1))
+        serve, proc = (lambda w: vllm_serve(llm, w, prompt_ids(w, vocab, a.seed))), None
     else:
         import sglang
 
         base["engine_version"] = sglang.__version__
         url = f"http://127.0.0.1:{a.port}"
-        cmd = sglang_server_cmd(model, backend, a.port, max_len, max_seqs, a.graphs, a.mem)
+        cmd = sglang_server_cmd(model, backend, a.port, max_len, max_seqs, a.mem, setup)
         print("[serving] " + " ".join(cmd), flush=True)
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        serve, stop = (lambda w: asyncio.run(http_serve(url, w, prompt_ids(w, vocab, a.seed)))), proc
+        t = time.time()
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", bufsize=1)
+        server_log = ServerLog(proc)
+        serve = lambda w: asyncio.run(http_serve(url, w, prompt_ids(w, vocab, a.seed)))  # noqa: E731
     try:
-        if stop is not None:
-            base["startup_s"] = round(wait_healthy(url, stop, a.startup_timeout), 1)
-            base["triton_compiles_startup"] = count_compiled(cache)
+        if proc is not None:
+            wait_healthy(url, proc, a.startup_timeout)
+            ready = time.time()
+            base["startup_s"] = round(ready - t, 1)
+            base["engine_init_s"] = round(ready - (server_log.first_line_at or t), 1)
+        startup = compiled_since(at_start, cache)
+        base["triton_compiles_startup"] = len(startup)
+        if a.compiled_startup_file:
+            Path(a.compiled_startup_file).write_text("".join(n + "\n" for n in startup))
+        before = compiled_kernels(cache)
         serve(warmup)
+        base["compiled_during_warmup"] = ";".join(compiled_since(before, cache))
         for w in works:
-            print(f"[serving] {a.engine} {a.shape} {a.backend}: {w.name} ({len(w.prompt_lens)} requests)", flush=True)
-            before = count_compiled(cache)
-            rows.append({**base, **serve(w), "triton_compiles_run": count_compiled(cache) - before})
+            print(f"[serving] {a.engine} {a.mode} {a.shape} {a.backend}: {w.name} ({len(w.prompt_lens)} requests)",
+                  flush=True)
+            before = compiled_kernels(cache)
+            row = serve(w)
+            during = compiled_since(before, cache)
+            rows.append({**base, **row, "triton_compiles_run": len(during), "compiled_during_run": ";".join(during)})
             print(f"[serving]   {rows[-1]}", flush=True)
     finally:
-        if stop is not None:
-            stop_server(stop)
+        if proc is not None:
+            stop_server(proc)
 
 
 # -- parent: children, CSV, summary, plots ---------------------------------------------------------
 
 
 def write_rows(path: Path, rows: list[dict]):
-    new = not path.exists()
-    with path.open("a", newline="") as f:
+    """Append ``rows`` to the CSV at ``path``; a file written with other columns (an older
+    version of this benchmark) is rewritten with the current ones, missing cells left empty."""
+    header = None
+    if path.exists():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), None)
+    if header == COLUMNS:
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, COLUMNS, extrasaction="ignore").writerows(rows)
+        return
+    old = read_rows(path) if header else []
+    with path.open("w", newline="") as f:
         wr = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        if new:
-            wr.writeheader()
-        wr.writerows(rows)
+        wr.writeheader()
+        wr.writerows(old + rows)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -457,13 +633,22 @@ def _num(v):
         return None
 
 
+def row_group(r: dict) -> tuple:
+    """What a backend's row is compared on: the same engine, mode, tp, shape, workload and
+    repeat (rows of older CSVs, without these columns, count as default mode, tp 1, repeat 1)."""
+    return (r["engine"], r.get("mode") or "default", str(r.get("tp") or 1), r["shape"], r["workload"],
+            str(r.get("repeat") or 1))
+
+
 def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
-    """Per (shape, workload, backend != default): output tok/s ratio (higher is better) and
-    TPOT p50 / TTFT p50 speed-ups (default's time over the backend's; higher is better)."""
-    ref = {(r["shape"], r["workload"]): r for r in rows if r["engine"] == engine and r["backend"] == default}
+    """Per (mode, tp, shape, workload, repeat) and backend != default: output tok/s ratio and
+    TPOT p50 / TTFT p50 / decode step speed-ups (default's time over the backend's; higher is
+    better, the default backend run in the same mode), and the start-up and engine-init
+    differences in seconds (backend's minus default's; lower is better)."""
+    ref = {row_group(r): r for r in rows if r["engine"] == engine and r["backend"] == default}
     out = []
     for r in rows:
-        key = (r["shape"], r["workload"])
+        key = row_group(r)
         if r["engine"] != engine or r["backend"] == default or key not in ref:
             continue
         d = ref[key]
@@ -472,30 +657,39 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
             a, b = _num(a), _num(b)
             return round(a / b, 3) if a and b else None
 
-        out.append({"shape": r["shape"], "workload": r["workload"], "backend": r["backend"],
-                    "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
+        def minus(a, b):
+            a, b = _num(a), _num(b)
+            return round(a - b, 1) if a is not None and b is not None else None
+
+        out.append({"mode": key[1], "tp": key[2], "shape": r["shape"], "workload": r["workload"], "repeat": key[5],
+                    "backend": r["backend"], "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
                     "tpot_p50_speedup": over(d["tpot_p50_ms"], r["tpot_p50_ms"]),
                     "ttft_p50_speedup": over(d["ttft_p50_ms"], r["ttft_p50_ms"]),
-                    "decode_step_speedup": over(d["decode_step_p50_ms"], r["decode_step_p50_ms"])})
+                    "decode_step_speedup": over(d.get("decode_step_p50_ms"), r.get("decode_step_p50_ms")),
+                    "startup_delta_s": minus(r.get("startup_s"), d.get("startup_s")),
+                    "engine_init_delta_s": minus(r.get("engine_init_s"), d.get("engine_init_s"))})
     return out
 
 
 def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
-    cols = ["engine", "shape", "backend", "workload", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-            "tpot_p99_ms", "decode_step_p50_ms", "max_in_flight", "startup_s", "status"]
+    cols = ["engine", "mode", "tp", "shape", "backend", "workload", "start_order", "output_tok_s", "ttft_p50_ms",
+            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step", "max_in_flight",
+            "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup", "triton_compiles_run", "status"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c) or "–") for c in cols) + " |" for r in rows]
     for engine in sorted({r["engine"] for r in rows}):
         rs = ratios(rows, engine, DEFAULT_BACKEND[engine])
         if not rs:
             continue
-        lines += ["", f"## {engine}: against {DEFAULT_BACKEND[engine]} (higher is better)", "",
-                  "| shape | workload | backend | output tok/s ratio | TPOT p50 speed-up | TTFT p50 speed-up | "
-                  "decode step speed-up |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['workload']} | {r['backend']} | {r['tok_s_ratio'] or '–'} | "
-                  f"{r['tpot_p50_speedup'] or '–'} | {r['ttft_p50_speedup'] or '–'} | {r['decode_step_speedup'] or '–'} |"
-                  for r in rs]
+        lines += ["", f"## {engine}: against {DEFAULT_BACKEND[engine]} in the same mode (higher is better; "
+                  "start-up: seconds more than it)", "",
+                  "| mode | tp | shape | workload | repeat | backend | output tok/s ratio | TPOT p50 speed-up | "
+                  "TTFT p50 speed-up | decode step speed-up | start-up +s | engine init +s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        keys = ("mode", "tp", "shape", "workload", "repeat", "backend", "tok_s_ratio", "tpot_p50_speedup",
+                "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
+        lines += ["| " + " | ".join("–" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rs]
     return "\n".join(lines) + "\n"
 
 
@@ -510,14 +704,14 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         rs = ratios(rows, engine, DEFAULT_BACKEND[engine])
         if not rs:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-        labels = [f"{r['workload']}\n{r['shape']}" for r in rs]
+        fig, axes = plt.subplots(1, 2, figsize=(max(11, 0.7 * len(rs)), 3.8))
+        labels = [f"{r['workload']}\n{r['mode']}\n{r['backend']}" for r in rs]
         for ax, key, title in ((axes[0], "tok_s_ratio", "output tokens/s"), (axes[1], "tpot_p50_speedup", "TPOT p50")):
             vals = [r[key] or 0 for r in rs]
             ax.bar(range(len(vals)), vals, color="#3b7dd8")
             ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xticks(range(len(vals)), labels, fontsize=7)
-            ax.set_title(f"{engine}: evenkv vs {DEFAULT_BACKEND[engine]}, {title} (>1 better)", fontsize=9)
+            ax.set_xticks(range(len(vals)), labels, fontsize=6)
+            ax.set_title(f"{engine}: vs {DEFAULT_BACKEND[engine]} in the same mode, {title} (>1 better)", fontsize=9)
         fig.tight_layout()
         p = out_dir / f"{engine}-ratios.png"
         fig.savefig(p, dpi=110)
@@ -548,6 +742,68 @@ def run_with_deadline(cmd: list[str], log, env: dict, seconds: float):
         return "timeout"
 
 
+def split_list(values: list[str]) -> list[str]:
+    """``--mode a --mode b,c`` -> [a, b, c] (order kept, repeats dropped)."""
+    out = []
+    for v in values:
+        out += [x for x in v.split(",") if x and x not in out]
+    return out
+
+
+@dataclass(frozen=True)
+class Child:
+    repeat: int
+    mode: str
+    shape: str
+    backend: str
+    start_order: int  # 1-based position in the whole run
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{self.shape}-{self.backend}-r{self.repeat}"
+
+
+def child_order(backends: list[str], modes: list[str], shapes: list[str], repeats: int,
+                first: str | None = None) -> list[Child]:
+    """Every (repeat, mode, shape, backend) child in start order. The backends' order rotates
+    by one from each (repeat, mode, shape) group to the next, so each backend starts first in
+    turn (a first child pays the machine's cold caches); ``first`` starts the first group."""
+    if first is not None and first not in backends:
+        raise ValueError(f"first: expected one of the backends {backends}, got {first!r}")
+    offset = backends.index(first) if first is not None else 0
+    children, k = [], 0
+    for repeat in range(1, repeats + 1):
+        for mode in modes:
+            for shape in shapes:
+                r = (offset + k) % len(backends)
+                for backend in backends[r:] + backends[:r]:
+                    children.append(Child(repeat, mode, shape, backend, len(children) + 1))
+                k += 1
+    return children
+
+
+def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks.serving", "child", "--engine", a.engine, "--shape", c.shape,
+           "--backend", c.backend, "--mode", c.mode, "--tp", str(a.tp), "--repeat", str(c.repeat),
+           "--start-order", str(c.start_order), "--workloads", a.workloads, "--size", a.size, "--seed", str(a.seed),
+           "--rate", str(a.rate), "--mem", str(a.mem), "--model-dir", a.model_dir, "--port", str(a.port),
+           "--json", str(rows_json), "--compiled-startup-file", str(startup_file),
+           "--startup-timeout", str(a.startup_timeout), "--spec-tokens", str(a.spec_tokens),
+           "--ngram-min", str(a.ngram_min), "--ngram-max", str(a.ngram_max), "--ngram-breadth", str(a.ngram_breadth)]
+    cmd += ["--graphs"] if a.graphs else ["--no-graphs"]
+    cmd += ["--vllm-compile"] if a.vllm_compile else []
+    return cmd
+
+
+def triton_cache_for(a, c: Child, shared_root: Path | None) -> str:
+    """A fresh directory per child, or one per (engine, shape, backend) under ``shared_root``."""
+    if shared_root is None:
+        return tempfile.mkdtemp(prefix="evenkv-triton-cache-")
+    d = shared_root / f"{a.engine}-{c.shape}-{c.backend}"
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
 def run_parent(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -556,29 +812,29 @@ def run_parent(a) -> int:
     # One untimed import first: a fresh machine's first import of an engine writes its bytecode
     # cache, a cost that would otherwise land on the first child's startup time only.
     subprocess.run([sys.executable, "-c", f"import {a.engine}"], capture_output=True, timeout=600)
-    children = [(shape, backend) for shape in a.shapes.split(",") for backend in a.backends.split(",")]
-    for k, (shape, backend) in enumerate(children):
+    shared_root = None
+    if a.triton_cache == "shared":
+        shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
+    children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
+    for k, c in enumerate(children):
         share = (t_end - time.time()) / (len(children) - k)  # an equal share for each child left
+        label = f"{a.engine} {c.mode} {c.shape} {c.backend} (repeat {c.repeat}, start {c.start_order})"
         if share < a.min_child:
-            print(f"[serving] SKIPPED {a.engine} {shape} {backend}: a {share:.0f} s share of the budget", flush=True)
+            print(f"[serving] SKIPPED {label}: a {share:.0f} s share of the budget", flush=True)
             failed += 1
             continue
-        rows_json = out / f".{a.engine}-{shape}-{backend}.json"
-        cmd = [sys.executable, "-m", "benchmarks.serving", "child", "--engine", a.engine, "--shape", shape,
-               "--backend", backend, "--workloads", a.workloads, "--size", a.size, "--seed", str(a.seed),
-               "--rate", str(a.rate), "--mem", str(a.mem), "--model-dir", a.model_dir, "--port", str(a.port),
-               "--json", str(rows_json), "--startup-timeout", str(a.startup_timeout)]
-        cmd += ["--graphs"] if a.graphs else ["--no-graphs"]
-        print(f"[serving] child {a.engine} {shape} {backend} ({share:.0f} s)", flush=True)
-        env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="evenkv-triton-cache-")}
-        with (out / f"{a.engine}-{shape}-{backend}.log").open("w") as log:
+        rows_json = out / f".{a.engine}-{c.name}.json"
+        cmd = child_cmd(a, c, rows_json, out / f"compiled-startup-{a.engine}-{c.name}.txt")
+        print(f"[serving] child {label} ({share:.0f} s)", flush=True)
+        env = {**os.environ, "TRITON_CACHE_DIR": triton_cache_for(a, c, shared_root)}
+        with (out / f"{a.engine}-{c.name}.log").open("w") as log:
             rc = run_with_deadline(cmd, log, env, share)
         if rows_json.exists():
             write_rows(out / "serving.csv", json.loads(rows_json.read_text()))
             rows_json.unlink()
         if rc != 0:
             failed += 1
-            print(f"[serving] child {a.engine} {shape} {backend} failed ({rc}); see its log", flush=True)
+            print(f"[serving] child {label} failed ({rc}); see its log", flush=True)
     if (out / "serving.csv").exists():
         report(out, a.note)
     return 1 if failed else 0
@@ -609,6 +865,15 @@ def parse_args(argv=None):
         p.add_argument("--rate", type=float, default=16.0, help="chat-rate: requests per second")
         p.add_argument("--mem", type=float, default=0.9, help="fraction of GPU memory for weights and KV cache")
         p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs")
+        p.add_argument("--tp", type=int, default=1,
+                       help="tensor parallel size (vLLM tensor_parallel_size, SGLang --tp-size)")
+        p.add_argument("--vllm-compile", action="store_true",
+                       help="vLLM: torch.compile (compilation mode 3, custom_ops ['none']); default off (mode 0)")
+        p.add_argument("--spec-tokens", type=int, default=3, help="spec-ngram: draft tokens per step (K)")
+        p.add_argument("--ngram-min", type=int, default=2, help="spec-ngram, vLLM: prompt_lookup_min")
+        p.add_argument("--ngram-max", type=int, default=4, help="spec-ngram, vLLM: prompt_lookup_max")
+        p.add_argument("--ngram-breadth", type=int, default=1,
+                       help="spec-ngram, SGLang: --speculative-ngram-max-bfs-breadth (1: a chain of drafts)")
         p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "evenkv-serving-models"))
         p.add_argument("--port", type=int, default=30123)
         p.add_argument("--startup-timeout", type=float, default=400)
@@ -616,19 +881,47 @@ def parse_args(argv=None):
             p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
             p.add_argument("--shape", choices=sorted(SHAPES), required=True)
             p.add_argument("--backend", required=True)
+            p.add_argument("--mode", choices=MODES, default="default")
+            p.add_argument("--repeat", type=int, default=1)
+            p.add_argument("--start-order", type=int, default=1)
             p.add_argument("--json")
+            p.add_argument("--compiled-startup-file", help="where to write the names of the start-up compiles")
         else:
             p.add_argument("--out", required=True, help="run folder: serving.csv, summary.md, plots, child logs")
-            p.add_argument("--backends", default=f"evenkv,{DEFAULT_BACKEND[name]}")
+            p.add_argument("--backends", default=",".join(["evenkv"] + BASELINES[name]))
             p.add_argument("--shapes", default="qwen3-8b" if name == "vllm" else "qwen3-30b-a3b-attn")
-            p.add_argument("--budget", type=float, default=3600, help="seconds for all children together, shared equally")
+            p.add_argument("--mode", action="append", default=[],
+                           help=f"repeatable or a comma list of {', '.join(MODES)} (default: default)")
+            p.add_argument("--repeats", type=int, default=1, help="run every (mode, shape, backend) this many times")
+            p.add_argument("--first", help="the backend that starts first (the order then rotates; default: "
+                                           "the first of --backends)")
+            p.add_argument("--triton-cache", choices=("fresh", "shared"), default="fresh",
+                           help="fresh: an empty TRITON_CACHE_DIR per child (cold start); shared: one per (engine, "
+                                "shape, backend) reused across children (warm from its second start)")
+            p.add_argument("--triton-cache-dir", help="shared: the folder that keeps them (default: a new temp folder)")
+            p.add_argument("--budget", type=float, default=3600,
+                           help="seconds for all children together, shared equally")
             p.add_argument("--min-child", type=float, default=120, help="skip a child with less budget left")
             p.add_argument("--note", action="append", default=[], help="a line for summary.md (repeatable)")
             p.set_defaults(engine=name)
     p = sub.add_parser("report")
     p.add_argument("dir")
     p.add_argument("--note", action="append", default=[])
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.cmd in ("vllm", "sglang"):
+        a.modes = split_list(a.mode) or ["default"]
+        for m in a.modes:
+            mode_env(a.engine, m)  # a bad name fails here
+        if a.repeats < 1:
+            raise ValueError(f"repeats: expected >= 1, got {a.repeats}")
+    if a.cmd != "report":
+        if a.tp < 1:
+            raise ValueError(f"tp: expected >= 1, got {a.tp}")
+        if a.spec_tokens < 1 or not 1 <= a.ngram_min <= a.ngram_max or a.ngram_breadth < 1:
+            raise ValueError(f"spec-tokens, ngram-min/max, ngram-breadth: expected spec-tokens >= 1, "
+                             f"1 <= ngram-min <= ngram-max and ngram-breadth >= 1, got {a.spec_tokens}, "
+                             f"{a.ngram_min}/{a.ngram_max}, {a.ngram_breadth}")
+    return a
 
 
 def main(argv=None) -> int:

@@ -75,7 +75,7 @@ def parse_config(name):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_decode")
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=262144)

@@ -24,14 +24,14 @@ import torch
 from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (INDEX_DTYPES, check_attention_layout, check_batch_limits, check_policy, check_positive_int,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
-                     resolve_kv_dtype, resolve_sm_scale)
+from .checks import (INDEX_DTYPES, PlanRecord, as_slots, check_attention_layout, check_batch_limits,
+                     check_batch_metadata, check_head_dim, check_kv_caches, check_policy, check_tensor,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+                     resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode_attention import POLICIES, DecodeAttention, DecodePlan
 from .errors import error_flag
-from .extend_attention import (SCHEDULES, check_batch_metadata, check_cache, check_head_dim, check_lengths_on_host,
-                               run_extend)
+from .extend_attention import SCHEDULES, check_lengths_on_host, run_extend
 from .planning import ExtendPlan, plan_extend
 
 
@@ -89,21 +89,23 @@ class DelegatedExtend:
 class AttentionPlan:
     """One planned batch: what ``Attention.run`` executes.
 
-    batch_size: B. num_decodes: requests [0, num_decodes) (q rows [0, num_decodes)) are
-    decode rows. decode: their plan on the decode kernels, or None (no decode rows).
+    batch_size: B. num_decodes: requests [0, num_decodes) are decode rows, on q rows [0,
+    num_decode_tokens). decode: their plan on the decode kernels, or None (no decode rows).
     extend: the extend kernel's plan for the other rows, or delegated: those rows for the
     engine's prefill kernel (both None when every request is a decode row).
-    seq_lens [B], page_table [B, max_pages]: the caller's tensors.
-    Valid until the ``Attention`` that made it plans again.
+    seq_lens [B], page_table [B, max_pages]: the caller's tensors; cu_seqlens_q [B + 1] int32:
+    the caller's, as int32. Valid until the ``Attention`` that made it plans again.
     """
 
     batch_size: int
     num_decodes: int
+    num_decode_tokens: int
     decode: DecodePlan | None
     extend: ExtendPlan | None
     delegated: DelegatedExtend | None
     seq_lens: torch.Tensor
     page_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
 
 
 class Attention:
@@ -124,6 +126,9 @@ class Attention:
             still reports bad page ids, but memory safety against them is then the engine
             kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
+        max_decode_q_len: the most query tokens one decode row may have (1 + speculative draft
+            tokens, up to 16; ``DecodeAttention``'s max_q_len).
+        tree_masks: decode rows may carry tree masks (``plan``'s tree_mask).
         decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``, ...).
     """
 
@@ -132,9 +137,8 @@ class Attention:
                  sm_scale: float | None = None, sliding_window: int | None = None, logit_cap: float | None = None,
                  kv_dtype: torch.dtype | None = None, schedule: str = "lpt", extend_config: ExtendConfig | None = None,
                  prefill_kernel: PrefillKernel | None = None, arch: str | None = None, debug: bool | None = None,
-                 **decode_kwargs):
+                 max_decode_q_len: int = 1, tree_masks: bool = False, **decode_kwargs):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
-        check_positive_int("head_dim", head_dim)
         check_head_dim(head_dim)
         check_policy(policy, POLICIES)
         if schedule not in SCHEDULES:
@@ -157,8 +161,12 @@ class Attention:
         self.decode = DecodeAttention(
             num_q_heads, num_kv_heads, head_dim, page_size, dtype, self.device, max_batch_size,
             max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug,
-            sliding_window=self.sliding_window, logit_cap=self.logit_cap, kv_dtype=self.kv_dtype, **decode_kwargs)
+            sliding_window=self.sliding_window, logit_cap=self.logit_cap, kv_dtype=self.kv_dtype,
+            max_q_len=max_decode_q_len, tree_masks=tree_masks, **decode_kwargs)
+        self.max_decode_q_len = max_decode_q_len
         i32 = dict(dtype=torch.int32, device=self.device)
+        # The batch's cu_seqlens_q as int32 (the decode and audit kernels take one index dtype).
+        self._cu = torch.zeros(max_batch_size + 1, **i32)
         self._order = torch.zeros(max_batch_size, **i32)
         self._sorted_start = torch.zeros(max_batch_size, **i32)
         self.deterministic = env_flag("EVENKV_DETERMINISTIC", decode_kwargs.get("deterministic"))
@@ -167,6 +175,7 @@ class Attention:
             self._cu_extend = torch.zeros(max_batch_size + 1, **i32)
             self._lens_extend = torch.zeros(max_batch_size, **i32)
         self._plan: AttentionPlan | None = None
+        self._plans = PlanRecord("Attention")
         self.warmed_up = False  # set by warmup()
         self._audit_pending = False
         self._errors = error_flag(self.device)
@@ -203,16 +212,15 @@ class Attention:
         self.warmed_up = True
 
     def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, sinks, index_dtypes) -> None:
-        self.decode.warmup(q, as_slots("k_cache", k_cache), as_slots("v_cache", v_cache), out=out, sinks=sinks,
-                           index_dtypes=index_dtypes)
+        self.decode.warmup(q, k_cache, v_cache, out=out, sinks=sinks, index_dtypes=index_dtypes)
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
                    if self._extend_config is not None else extend_configs(self.arch, self.head_dim, self.group_size))
         for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
-                plan_launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), page_table, self._errors,
-                                               1, self.page_size, self._audit_grid, warmup=True)
+                plan_launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), self._cu, page_table,
+                                               self._errors, 1, self.page_size, self._audit_grid, warmup=True)
         for config in configs:
             for dtype in index_dtypes:
                 lens = torch.zeros(1, dtype=dtype, device=dev)
@@ -228,22 +236,32 @@ class Attention:
 
     def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
              num_decodes: int, max_q_len: int, max_seq_len: int | None = None,
-             seq_lens_cpu: torch.Tensor | None = None) -> AttentionPlan:
+             seq_lens_cpu: torch.Tensor | None = None, decode_q_len: int = 1, num_decode_tokens: int | None = None,
+             tree_mask: torch.Tensor | None = None) -> AttentionPlan:
         """Plan one batch. The returned plan is what ``run`` takes, for every layer; it stays
         valid until this object plans again.
 
-        cu_seqlens_q: [B + 1] int32/int64 on this device; the first num_decodes requests
-            have q_len 1 (cu_seqlens_q[i] == i for i <= num_decodes).
+        cu_seqlens_q: [B + 1] int32/int64 on this device: request b's query tokens are q rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1.
         seq_lens: [B] int32/int64 on this device, KV length including the new tokens.
         page_table: [B, max_pages] int32 on this device, unit stride in the last dim.
-        num_decodes: host int in [0, B] (vLLM ``split_decodes_and_prefills``).
+        num_decodes: host int in [0, B] (vLLM ``split_decodes_and_prefills``): requests [0,
+            num_decodes) are decode rows, on q rows [0, num_decode_tokens), each of 1 to
+            decode_q_len query tokens (1: plain decode; more: speculative verify). A decode row
+            whose q length breaks that is flagged on the device (``evenkv.check_errors``),
+            never run as something else.
         max_q_len: host int >= every q length of requests [num_decodes, B) (1 if none).
         max_seq_len: host int >= every seq_len (the prefill kernel's bound); default the page
             table's capacity.
         seq_lens_cpu: optional host copy of seq_lens ([B]); the decode rows' lengths are
             then checked against the page table with no sync.
+        decode_q_len: host int, the most query tokens of one decode row (1 to max_decode_q_len).
+        num_decode_tokens: host int, the decode rows' query tokens (cu_seqlens_q[num_decodes]);
+            default num_decodes, required when decode_q_len > 1.
+        tree_mask: None (causal among a decode row's tokens) or [>= num_decode_tokens] int32:
+            each decode query row's tree mask over its request's new tokens (``DecodeAttention.plan``).
         """
-        batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, self.device)
+        batch = check_batch_metadata(seq_lens, page_table, self.device, cu_seqlens_q)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -252,27 +270,35 @@ class Attention:
             raise ValueError(f"num_decodes: expected an int in [0, B={batch}], got {num_decodes}")
         if max_q_len < 0:
             raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
-        if self.debug:
+        num_decode_tokens = self._decode_tokens(num_decodes, decode_q_len, num_decode_tokens)
+        if self.debug and decode_q_len == 1:
             cu = cu_seqlens_q[:num_decodes + 1].cpu()
             if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
                 raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
                                  f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
+        cu32 = self._cu[:batch + 1]
+        cu32.copy_(cu_seqlens_q)
         use_decode = num_decodes > 0
         decode_plan = None
         if use_decode:
             decode_plan = self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes],
+                                           cu_seqlens_q=cu32[:num_decodes + 1], q_len=decode_q_len,
+                                           tree_mask=tree_mask,
                                            seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_decodes])
+        elif tree_mask is not None:
+            raise ValueError("tree_mask: expected None for a batch with no decode rows (num_decodes=0)")
         extend_plan = delegated = None
         req_begin = num_decodes if use_decode else 0
         if req_begin < batch and self.prefill_kernel is not None:
             rows = batch - req_begin
             cu = self._cu_extend[:rows + 1]
-            cu.copy_(cu_seqlens_q[req_begin:])
-            cu.sub_(req_begin)
+            cu.copy_(cu32[req_begin:])
+            cu.sub_(cu32[req_begin])
             lens = self._lens_extend[:rows]
             lens.copy_(seq_lens[req_begin:])
             bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.page_size
-            delegated = DelegatedExtend(req_begin, cu, lens, page_table[req_begin:], max(max_q_len, 1), bound)
+            delegated = DelegatedExtend(num_decode_tokens, cu, lens, page_table[req_begin:], max(max_q_len, 1),
+                                        bound)
         elif req_begin < batch:
             q_bound = max(max_q_len, 1 if num_decodes else 0)
             config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
@@ -280,9 +306,27 @@ class Attention:
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
                                       schedule=self.schedule, req_begin=req_begin, order=self._order,
                                       sorted_start=self._sorted_start)
-        self._plan = AttentionPlan(batch, num_decodes, decode_plan, extend_plan, delegated, seq_lens, page_table)
+        self._plan = self._plans.add(AttentionPlan(batch, num_decodes, num_decode_tokens, decode_plan, extend_plan,
+                                                   delegated, seq_lens, page_table, cu32))
         self._audit_pending = True
         return self._plan
+
+    def _decode_tokens(self, num_decodes: int, decode_q_len, num_decode_tokens) -> int:
+        """The decode rows' query tokens, checked against their count and decode_q_len (host ints)."""
+        for name, value in (("decode_q_len", decode_q_len), ("num_decode_tokens", num_decode_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name}: expected a host int, got {type(value).__name__}")
+        if not 1 <= decode_q_len <= self.max_decode_q_len:
+            raise ValueError(f"decode_q_len: expected 1 to max_decode_q_len={self.max_decode_q_len}, got {decode_q_len}")
+        if num_decode_tokens is None:
+            if decode_q_len > 1 and num_decodes > 0:
+                raise ValueError(f"num_decode_tokens: decode rows of up to decode_q_len={decode_q_len} tokens need "
+                                 "their token count (cu_seqlens_q[num_decodes], a host int), got None")
+            return num_decodes
+        if not num_decodes <= num_decode_tokens <= num_decodes * decode_q_len:
+            raise ValueError(f"num_decode_tokens: expected {num_decodes} to {num_decodes * decode_q_len} for "
+                             f"num_decodes={num_decodes} rows of up to {decode_q_len} tokens, got {num_decode_tokens}")
+        return num_decode_tokens
 
     def run(self, plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -290,8 +334,8 @@ class Attention:
             v_scale: float = 1.0) -> torch.Tensor:
         """Attention for the batch ``plan`` describes (this object's latest plan).
 
-        q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0, num_decodes)
-            are the decode rows.
+        q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0,
+            num_decode_tokens) are the decode rows'.
         k_cache, v_cache: [num_slots, Hkv, D] (any strides, unit stride in D) or
             [num_pages, page_size, Hkv, D] when that views as slots (the decode kernel
             addresses slots), of ``kv_dtype``.
@@ -301,21 +345,14 @@ class Attention:
             default the constructor's. sinks, k_scale, v_scale: as ``DecodeAttention.run``.
         Returns out; rows past cu_seqlens_q[-1] are not written.
         """
-        if not isinstance(plan, AttentionPlan):
-            raise TypeError(f"plan: expected the AttentionPlan returned by plan(), got {type(plan).__name__}")
-        if plan is not self._plan:
-            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
-                             "buffers hold one plan at a time): plan this batch again")
+        self._plans.check(plan, AttentionPlan, self._plan)
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         check_tensor("q", q, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
         total_q = q.shape[0]
-        if total_q < plan.num_decodes:
-            raise ValueError(f"q: expected at least num_decodes={plan.num_decodes} rows, got {total_q}")
-        check_cache("k_cache", k_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device)
-        if k_cache.shape[-2:] != (hkv, d):
-            raise ValueError(f"k_cache: expected [..., Hkv={hkv}, D={d}], got shape {tuple(k_cache.shape)}")
-        check_cache("v_cache", v_cache, page_size=self.page_size, dtype=self.kv_dtype, device=self.device,
-                    shape=tuple(k_cache.shape))
+        if total_q < plan.num_decode_tokens:
+            raise ValueError(f"q: expected at least num_decode_tokens={plan.num_decode_tokens} rows, got {total_q}")
+        check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
+                        num_kv_heads=hkv, head_dim=d)
         if (k_new is None) != (v_new is None):
             raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
                              f" and v_new={'None' if v_new is None else 'a tensor'}")
@@ -334,11 +371,11 @@ class Attention:
                                   capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
         if self._audit_pending:
             num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else self.page_size)
-            plan_launch.launch_audit_pages(plan.seq_lens, plan.page_table, self._errors, num_slots // self.page_size,
-                                           self.page_size, self._audit_grid)
+            plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
+                                           num_slots // self.page_size, self.page_size, self._audit_grid)
             self._audit_pending = False
         if plan.decode is not None:
-            nd = plan.num_decodes
+            nd = plan.num_decode_tokens
             self.decode.run_unchecked(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
                                       out[:nd], terms)
         if ext is not None:
@@ -358,17 +395,6 @@ class Attention:
 def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """A [num_slots, Hkv, D] cache as [num_pages, page_size, Hkv, D] without a copy."""
     return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
-
-
-def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
-    """A [num_pages, page_size, Hkv, D] cache as [num_slots, Hkv, D] without a copy."""
-    if cache.dim() == 3:
-        return cache
-    try:
-        return cache.view(-1, cache.shape[2], cache.shape[3])
-    except RuntimeError as err:
-        raise ValueError(f"{name}: the decode rows need a cache that views as [num_slots, Hkv, D]; got shape "
-                         f"{tuple(cache.shape)} with strides {cache.stride()}") from err
 
 
 __all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

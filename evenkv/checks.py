@@ -6,6 +6,7 @@ given. Never ``assert``: asserts vanish under ``python -O``.
 """
 
 import math
+import weakref
 
 import torch
 
@@ -58,6 +59,12 @@ def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int
     if value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value}")
     return value
+
+
+def check_head_dim(head_dim, where: str = "") -> int:
+    """head_dim: an int of SUPPORTED_HEAD_DIMS (TypeError if not an int, ValueError if another);
+    ``where`` says where the value came from, e.g. " (q's last dim)"."""
+    return check_positive_int(f"head_dim{where}", head_dim, allowed=SUPPORTED_HEAD_DIMS)
 
 
 def check_policy(policy, policies: tuple) -> str:
@@ -143,12 +150,100 @@ def normalize_logit_cap(logit_cap) -> float | None:
     return float(logit_cap) or None
 
 
-def check_page_table(page_table, batch: int, device: torch.device) -> torch.Tensor:
-    """page_table: [batch, max_pages] int32 on ``device``, unit stride in the last dim."""
-    check_tensor("page_table", page_table, shape=(batch, None), dtypes=(torch.int32,), device=device)
-    if batch > 0 and page_table.shape[1] > 1 and page_table.stride(1) != 1:
+def check_batch_metadata(seq_lens, page_table, device: torch.device, cu_seqlens_q=None) -> int:
+    """A batch's metadata; returns its size B, the page table's row count.
+
+    page_table: [B, max_pages] int32 on ``device``, unit stride in the last dim.
+    seq_lens: [B] int32/int64 on ``device``. cu_seqlens_q: None or [B + 1] int32/int64 on
+    ``device``. A length that disagrees with the page table's rows names both shapes."""
+    check_tensor("page_table", page_table, shape=(None, None), dtypes=(torch.int32,), device=device)
+    if page_table.shape[0] > 0 and page_table.shape[1] > 1 and page_table.stride(1) != 1:
         raise ValueError(f"page_table: expected unit stride in the last dim, got strides {page_table.stride()}")
-    return page_table
+    batch = page_table.shape[0]
+    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=device)
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens: expected shape [{batch}], one length per row of page_table (shape "
+                         f"{tuple(page_table.shape)}), got shape {tuple(seq_lens.shape)}")
+    if cu_seqlens_q is not None:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(None,), dtypes=INDEX_DTYPES, device=device)
+        if cu_seqlens_q.shape[0] != batch + 1:
+            raise ValueError(f"cu_seqlens_q: expected shape [{batch + 1}], B + 1 for the B = {batch} rows of "
+                             f"page_table (shape {tuple(page_table.shape)}), got shape {tuple(cu_seqlens_q.shape)}")
+    return batch
+
+
+def check_cache(name: str, cache, *, page_size: int | None, dtypes: tuple | None,
+                device: torch.device | None) -> torch.Tensor:
+    """A paged KV cache viewed as [num_slots, Hkv, D] (slot = page x page_size + offset) or
+    [num_pages, page_size, Hkv, D], any strides but a unit stride in D, of one of ``dtypes``
+    and on ``device`` (None: any). ``page_size`` (None: any) must match a 4-D cache's second dim:
+    a 3-D cache cannot show its page size, so nothing can check it there."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() not in (3, 4):
+        raise ValueError(f"{name}: expected [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D], "
+                         f"got shape {tuple(cache.shape)}")
+    if cache.dim() == 4 and page_size is not None and cache.shape[1] != page_size:
+        raise ValueError(f"{name}: expected [num_pages, page_size={page_size}, Hkv, D], got shape "
+                         f"{tuple(cache.shape)}")
+    return check_tensor(name, cache, dtypes=dtypes, device=device, last_dim_contiguous=True)
+
+
+def check_kv_caches(k_cache, v_cache, *, page_size: int | None, dtypes: tuple, device: torch.device | None,
+                    num_kv_heads: int | None = None, head_dim: int | None = None) -> torch.device:
+    """k_cache, v_cache: one paged KV cache (``check_cache``), both of one shape, k_cache of one
+    of ``dtypes`` and v_cache of k_cache's; Hkv = num_kv_heads and D = head_dim where given.
+    Returns the caches' device (``device``, or k_cache's when None)."""
+    check_cache("k_cache", k_cache, page_size=page_size, dtypes=dtypes, device=device)
+    if device is None:
+        device = resolve_device(k_cache.device, "k_cache")
+    hkv, d = k_cache.shape[-2:]
+    if num_kv_heads not in (None, hkv) or head_dim not in (None, d):
+        want = (f"Hkv{'' if num_kv_heads is None else '=' + str(num_kv_heads)}, "
+                f"D{'' if head_dim is None else '=' + str(head_dim)}")
+        raise ValueError(f"k_cache: expected [..., {want}], got shape {tuple(k_cache.shape)}")
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(k_cache.dtype,), device=device,
+                 last_dim_contiguous=True)
+    return device
+
+
+def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """A checked cache (``check_cache``) as [num_slots, Hkv, D], without a copy: the decode and
+    KV-write kernels address slots, so a [num_pages, page_size, Hkv, D] cache must view as
+    slots (pages of whole slots, e.g. not an HND layout)."""
+    if cache.dim() == 3:
+        return cache
+    try:
+        return cache.view(-1, cache.shape[2], cache.shape[3])
+    except RuntimeError as err:
+        raise ValueError(f"{name}: expected a cache that views as [num_slots, Hkv, D] without a copy (the decode "
+                         f"and KV-write kernels address slots); got shape {tuple(cache.shape)} with strides "
+                         f"{cache.stride()}") from err
+
+
+class PlanRecord:
+    """The plans one planning object has made, so that ``run`` can tell its latest plan from
+    an older one (its buffers now hold another batch) and from another object's."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._made = weakref.WeakSet()
+
+    def add(self, plan):
+        self._made.add(plan)
+        return plan
+
+    def check(self, plan, plan_type: type, latest) -> None:
+        """``plan`` must be ``latest``, this object's latest plan, of ``plan_type``."""
+        if not isinstance(plan, plan_type):
+            raise TypeError(f"plan: expected the {plan_type.__name__} returned by plan(), got {type(plan).__name__}")
+        if plan is latest:
+            return
+        if plan in self._made:
+            raise ValueError(f"plan: expected this {self.owner}'s latest plan; it has planned another batch since "
+                             "(its buffers hold one plan at a time): plan this batch again")
+        raise ValueError(f"plan: expected a plan made by this {self.owner}, got one made by another {self.owner} "
+                         "object (a plan lives in its maker's buffers): run it there, or plan the batch here")
 
 
 def check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size,
@@ -169,31 +264,33 @@ def check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batc
 def check_batch_limits(batch: int, page_table: torch.Tensor, max_batch_size: int, max_pages_per_request: int) -> None:
     """A planned batch must fit the workspaces sized at construction."""
     if batch > max_batch_size:
-        raise ValueError(f"seq_lens: batch size {batch} exceeds max_batch_size={max_batch_size}")
+        raise ValueError(f"page_table: expected at most max_batch_size={max_batch_size} rows (requests), got "
+                         f"{batch}")
     if page_table.shape[1] > max_pages_per_request:
         raise ValueError(f"page_table: expected at most max_pages_per_request={max_pages_per_request} "
                          f"columns, got {page_table.shape[1]}")
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, name: str = "device") -> torch.device:
     """torch.device(device), with a bare "cuda" pinned to the current device index.
 
     evenkv's kernels run on CUDA GPUs, or on the CPU under Triton's interpreter; any other
-    device is refused here, before a kernel fails inside Triton."""
+    device is refused here, before a kernel fails inside Triton. ``name``: the argument to
+    blame, the ``device`` argument or the tensor whose device this is."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device: expected a CUDA device that torch can see, got 'cuda' but "
+            raise ValueError(f"{name}: expected a CUDA device that torch can see, got 'cuda' but "
                              "torch.cuda.is_available() is False (a CPU-only torch build, or no GPU); on a CPU "
-                             "set TRITON_INTERPRET=1 before importing evenkv and pass device='cpu'")
+                             "set TRITON_INTERPRET=1 before importing evenkv and use device 'cpu'")
         return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
     if device.type == "cpu":
         if not is_interpreter():
-            raise ValueError("device: expected a CUDA device, got 'cpu': evenkv's Triton kernels run on the CPU "
+            raise ValueError(f"{name}: expected a CUDA device, got 'cpu': evenkv's Triton kernels run on the CPU "
                              "only in Triton's interpreter; set TRITON_INTERPRET=1 before importing evenkv (slow, "
                              "for tests and demos) or use a CUDA GPU")
         return device
-    raise ValueError(f"device: expected a CUDA device (or 'cpu' under TRITON_INTERPRET=1), got {device}")
+    raise ValueError(f"{name}: expected a CUDA device (or 'cpu' under TRITON_INTERPRET=1), got {device}")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # no subcommand: the help, and argparse's usage-error status
+        parser.print_help(sys.stderr)
+        return 2
     if args.command == "info":
         return info()
     import torch

@@ -174,9 +174,69 @@ _DECODE_FP8 = {
 }
 
 
-def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False) -> DecodeConfig:
-    """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache)."""
+# Speculative-verify rows: G x q_len query rows per tile (decode_launch.tile_rows), with a
+# causal mask per row, take more registers than a decode row, so they run rows of their own,
+# keyed by tile rows; each class lists up to the largest tile rows it serves
+# (``max_tile_rows``; docs/tuning.md "Decode, verify rows").
+_DECODE_VERIFY = {
+    "sm90": {
+        "d64": {16: DecodeConfig("sm90-d64-r16", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                 max_registers=168, programmatic_launch=True),
+                32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                                 max_registers=128, programmatic_launch=True),
+                64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=8, num_stages=3, max_ctas_per_sm=2,
+                                 max_registers=128, programmatic_launch=True),
+                128: DecodeConfig("sm90-d64-r128", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=2,
+                                  max_registers=128, programmatic_launch=True)},
+        "d128": {16: DecodeConfig("sm90-d<=128-r16", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                  max_registers=168, programmatic_launch=True),
+                 32: DecodeConfig("sm90-d<=128-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                  max_registers=168, programmatic_launch=True),
+                 64: DecodeConfig("sm90-d<=128-r64", block_n=32, num_warps=8, num_stages=3, max_ctas_per_sm=2,
+                                  max_registers=128, programmatic_launch=True),
+                 128: DecodeConfig("sm90-d<=128-r128", block_n=32, num_warps=8, num_stages=3, max_ctas_per_sm=1,
+                                   max_registers=224, programmatic_launch=True)},
+        "d256": {16: DecodeConfig("sm90-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2,
+                                  max_registers=224, programmatic_launch=True),
+                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2,
+                                  max_registers=128, programmatic_launch=True),
+                 64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                  max_registers=224, programmatic_launch=True)},
+    },
+    "sm80": {
+        "d64": {16: DecodeConfig("sm80-d64-r16", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                32: DecodeConfig("sm80-d64-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                64: DecodeConfig("sm80-d64-r64", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=2),
+                128: DecodeConfig("sm80-d64-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
+        "d128": {16: DecodeConfig("sm80-d<=128-r16", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                 32: DecodeConfig("sm80-d<=128-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                 64: DecodeConfig("sm80-d<=128-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2),
+                 128: DecodeConfig("sm80-d<=128-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
+        "d256": {16: DecodeConfig("sm80-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2),
+                 32: DecodeConfig("sm80-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1),
+                 64: DecodeConfig("sm80-d256-r64", block_n=16, num_warps=8, num_stages=2, max_ctas_per_sm=1)},
+    },
+}
+
+
+def max_tile_rows(arch: str, head_dim: int) -> int:
+    """The most packed rows (G x q_len, ``decode_launch.tile_rows``) a verify tile of this head
+    dim takes."""
+    return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)])
+
+
+def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False,
+                  rows: int | None = None) -> DecodeConfig:
+    """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache):
+    plain decode rows by default, speculative-verify rows of ``rows`` packed rows (a power of
+    two from 16 up to ``max_tile_rows``) when given."""
     key = head_dim_class(head_dim)
+    if rows is not None:
+        verify = _DECODE_VERIFY[check_arch(arch)][key]
+        if rows not in verify:
+            raise ValueError(f"rows: expected a power of two in 16..{max(verify)} for head dim {head_dim} on {arch}, "
+                             f"got {rows}")
+        return verify[rows]
     if kv_fp8 and key in _DECODE_FP8.get(check_arch(arch), {}):
         return _DECODE_FP8[arch][key]
     if page_size >= PAGED_MIN_PAGE and key in _DECODE_PAGED.get(check_arch(arch), {}):

@@ -18,30 +18,39 @@ import torch
 
 from evenkv.kernels import decode_launch as launch
 from evenkv.kernels import plan_launch
+from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_HEAD_DIMS, check_attention_layout, check_batch_limits,
-                     check_fp8_capable, check_kv_scale, check_page_table, check_policy, check_positive_int, check_sinks,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
+                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_head_dim,
+                     check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
-                      many_segments_config, resolve_arch, sm_count)
-from .errors import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, error_flag
-from .planning import (DecodePlan, StreamSchedule, UnitSchedule, deterministic_unit_capacity, fa3_unit_capacity,
-                       plan_chunked_units, plan_fa3_units)
+                      many_segments_config, max_tile_rows, resolve_arch, sm_count)
+from .errors import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
+from .planning import (DETERMINISTIC_MAX_SPLITS, DETERMINISTIC_MIN_CHUNK_TOKENS, PLAN_SCALARS, DecodePlan,
+                       StreamSchedule, UnitSchedule, decode_query_lens, deterministic_chunk_capacity,
+                       fa3_unit_capacity, plan_fa3_units, visible_keys)
 
 POLICIES = ("balanced", "fa3", "none")
+# The most query tokens of one decode row (speculative verify: 1 + draft tokens); a tree mask
+# holds one bit per new token in an int32.
+MAX_DECODE_Q_LEN = 16
 # Resident CTAs per (fake) SM under the interpreter.
 INTERPRETER_CTAS_PER_SM = 2
 
 
 class DecodeAttention:
-    """Paged GQA decode attention (q_len 1) with a load-balanced persistent schedule.
+    """Paged GQA decode attention with a load-balanced persistent schedule: rows of one query
+    token (decode) or of up to ``max_q_len`` (speculative verify: 1 + draft tokens).
 
     Args:
         num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv; G = Hq / Hkv).
         head_dim: D, one of 64, 80, 96, 128, 256.
-        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks).
+        page_size: tokens per page (1 = SGLang's token pool; 16/32/64 = vLLM blocks), the one
+            the caches and page tables were written with: a 4-D cache must show it, a 3-D one
+            cannot, so nothing checks it there (another page size reads the wrong slots).
         dtype: torch.float16 or torch.bfloat16 (q and output; the caches too unless kv_dtype).
         device: the CUDA device every workspace lives on (or the CPU under the Triton
             interpreter, ``TRITON_INTERPRET=1``).
@@ -55,19 +64,25 @@ class DecodeAttention:
             Unless ``config`` or ``num_ctas`` is given, the balanced policy plans batches of
             many short segments with the table's second row and its own grid
             (``evenkv.configs.many_segments_config``; ``launch_config`` says which).
-        deterministic: batch-invariant results (``balanced`` or ``none``): a request is split
-            by its own length only and its pieces are merged in a fixed order, so its output
-            is bitwise the same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
+        deterministic: batch-invariant results (``balanced`` or ``none``): a request is cut
+            into chunks by its own length only and its chunks are merged in a fixed order,
+            with one kernel variant and config for every batch, so its output is bitwise the
+            same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
         max_total_tokens: the most KV tokens a batch can hold (an engine's KV pool size);
-            sizes deterministic mode's partial workspace (one [G, D] fp32 slot per 512
-            tokens and KV head, plus one per request). Default: 2**21.
+            sizes deterministic mode's partial workspace (one [G x max_q_len, D] fp32 slot
+            per 512 tokens and KV head, plus one per request). Default: 2**21.
         debug: validate lengths and page indices on the host before each launch (syncs).
-        sliding_window: None or 0 (none), or W >= 1: a request of n tokens attends to its last
-            min(n, W) (the extend convention, ``evenkv.extend``); the plan counts only those
-            tokens' tiles, so time follows the window's bytes.
+        sliding_window: None or 0 (none), or W >= 1: a query at position p attends to keys
+            [p - W + 1, p] (the extend convention, ``evenkv.extend``); the plan counts only
+            those tokens' tiles, so time follows the window's bytes.
         logit_cap: None or 0 (none), or c > 0: scores s * sm_scale become c * tanh(s * sm_scale / c).
         kv_dtype: the caches' dtype: None (= dtype) or torch.float8_e4m3fn, dequantized in
             registers with the per-tensor ``k_scale`` / ``v_scale`` that ``run`` takes.
+        max_q_len: the most query tokens one row can have, 1 to MAX_DECODE_Q_LEN (speculative
+            verify: 1 + draft tokens); sizes the partial workspace. Every row reads each KV
+            byte once for all its tokens.
+        tree_masks: plans may carry tree masks (``plan``'s ``tree_mask``); start-up then
+            compiles those variants too. Not with a sliding window.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -75,16 +90,26 @@ class DecodeAttention:
                  sm_scale: float | None = None, arch: str | None = None, num_ctas: int | None = None,
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
                  max_total_tokens: int = 1 << 21, debug: bool | None = None, sliding_window: int | None = None,
-                 logit_cap: float | None = None, kv_dtype: torch.dtype | None = None):
+                 logit_cap: float | None = None, kv_dtype: torch.dtype | None = None, max_q_len: int = 1,
+                 tree_masks: bool = False):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
-        check_positive_int("head_dim", head_dim, allowed=SUPPORTED_HEAD_DIMS)
+        check_head_dim(head_dim)
         check_policy(policy, POLICIES)
         if num_ctas is not None:
             check_positive_int("num_ctas", num_ctas)
         check_positive_int("max_total_tokens", max_total_tokens)
+        self.max_q_len = check_positive_int("max_q_len", max_q_len)
+        if max_q_len > MAX_DECODE_Q_LEN:
+            raise ValueError(f"max_q_len: expected 1 to {MAX_DECODE_Q_LEN} query tokens per row, got {max_q_len}")
+        if not isinstance(tree_masks, bool):
+            raise TypeError(f"tree_masks: expected bool, got {type(tree_masks).__name__}")
+        if tree_masks and self.sliding_window is not None:
+            raise ValueError(f"tree_masks: tree-shaped drafts under a sliding window (sliding_window="
+                             f"{self.sliding_window}) are not supported: a tree token's window starts at its depth")
+        self.tree_masks = tree_masks
         self.max_total_tokens = max_total_tokens
         if config is not None and not isinstance(config, DecodeConfig):
             raise TypeError(f"config: expected DecodeConfig or None, got {type(config).__name__}")
@@ -94,7 +119,7 @@ class DecodeAttention:
                              "on the whole batch's work, so a request's result would depend on its neighbours)")
         # How the work is scheduled: a stream-K cost line, a queue of (request, split, head)
         # units, or one program per (request, head).
-        self._kind = "direct" if policy == "none" else ("units" if policy == "fa3" or deterministic else "stream")
+        self._kind = {"none": "direct", "fa3": "units"}.get(policy, "stream")
         self.deterministic = deterministic
         self.device = resolve_device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -103,8 +128,14 @@ class DecodeAttention:
         self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
         self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
         self.arch = resolve_arch(arch, self.device)
-        fp8 = self.kv_dtype in FP8_KV_DTYPES
-        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size, fp8)
+        rows, most = launch.tile_rows(self.group_size, max_q_len), max_tile_rows(self.arch, head_dim)
+        if max_q_len > 1 and rows > most:
+            raise ValueError(f"max_q_len: {max_q_len} query tokens x G={self.group_size} heads make {rows} tile rows, "
+                             f"past the {most} a head dim {head_dim} tile takes: use max_q_len <= "
+                             f"{max(1, most // self.group_size)}")
+        self._fp8 = self.kv_dtype in FP8_KV_DTYPES
+        self._forced_config = config
+        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size, self._fp8)
         self.debug = debug_enabled(debug)
         self._on_gpu = self.device.type == "cuda" and not is_interpreter()
         check_fp8_capable(self.kv_dtype, self.device)
@@ -112,27 +143,56 @@ class DecodeAttention:
         # Programmatic dependent launch of the merge: where a config asks for it and the GPU has it (sm90+).
         self._pdl_capable = self._on_gpu and torch.cuda.get_device_capability(self.device)[0] >= 9
         self._plan: DecodePlan | None = None
-        self._plan_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        self._plans = PlanRecord("DecodeAttention")
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._plan_seq_lens = torch.zeros(max_batch_size, **i32)
+        # Plain decode rows: request b's query is q row b (the plan's cu_seqlens when none is given).
+        self._row_per_request = torch.arange(max_batch_size + 1, **i32)
+        self._no_tree = torch.zeros(1, **i32)
         self._errors = error_flag(self.device)
         self._audit_pending = False
         self.warmed_up = False  # set by warmup()
-        # Batches of many short segments: the table's second row and its grid (see launch_config).
-        many = None
-        if self._kind == "stream" and config is None and num_ctas is None:
-            many = many_segments_config(self.arch, head_dim, page_size, fp8)
-        self.num_ctas = num_ctas if num_ctas is not None else self._default_grid(self.config)
-        self._many = (many, self._default_grid(many)) if many is not None else None
-        self._max_ctas = max(self.num_ctas, self._many[1] if self._many else 0)
+        # Each q-length bucket's (config, grid) and, for plain decode rows, the many-segments
+        # row and its grid for batches of many short segments (see launch_config).
+        self._slot_rows = self.group_size * self.max_q_len
+        self._variants = {}
+        # Deterministic mode runs every batch on one variant (its config and grid set the
+        # arithmetic), that of the longest rows.
+        buckets = [q_len_bucket(self.max_q_len)] if deterministic else q_len_buckets(self.max_q_len)
+        for bucket in buckets:
+            config = self._bucket_config(bucket)
+            grid = num_ctas if num_ctas is not None else self._default_grid(config, self._query(bucket))
+            many = None
+            if bucket == 1 and self._kind == "stream" and not deterministic and config is self.config and \
+                    num_ctas is None:
+                many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
+                if many_config is not None:
+                    many = (many_config, self._default_grid(many_config, self._query(1)))
+            self._variants[bucket] = (config, grid, many)
+        self.num_ctas = self._variants[buckets[0]][1]
+        self._max_ctas = max(max(grid, many[1] if many else 0) for _, grid, many in self._variants.values())
         self._schedule = self._allocate_schedule()
         # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
-        grids = (self.num_ctas,) + ((self._many[1],) if self._many else ())
+        grids = {grid for _, grid, _ in self._variants.values()} | {
+            many[1] for _, _, many in self._variants.values() if many}
         self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
                                 for c in grids} if self._kind == "stream" else {}
         slots = self._partial_slots()
-        self._o_part = torch.empty(slots * self.group_size * head_dim, dtype=torch.float32, device=self.device)
-        self._lse_part = torch.empty(slots * self.group_size, dtype=torch.float32, device=self.device)
+        self._o_part = torch.empty(slots * self._slot_rows * head_dim, dtype=torch.float32, device=self.device)
+        self._lse_part = torch.empty(slots * self._slot_rows, dtype=torch.float32, device=self.device)
 
-    # -- workspaces ---------------------------------------------------------------
+    # -- workspaces and variants ---------------------------------------------------
+
+    def _query(self, bucket: int, tree: bool = False) -> launch.QueryRows:
+        return launch.QueryRows(bucket, self._slot_rows, tree)
+
+    def _bucket_config(self, bucket: int) -> DecodeConfig:
+        """The config of rows of up to ``bucket`` query tokens: the table's decode row for plain
+        decode, its verify row for their tile rows else (or the config given)."""
+        if self._forced_config is not None or bucket == 1:
+            return self.config
+        return decode_config(self.arch, self.head_dim, self.page_size, self._fp8,
+                             rows=launch.tile_rows(self.group_size, bucket))
 
     def _allocate_schedule(self):
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -140,11 +200,12 @@ class DecodeAttention:
         if self._kind == "stream":
             # Arrival counters of the in-kernel merge; each is back at 0 when a launch ends.
             self._merge_counters = torch.zeros(self._max_ctas, **i32)
-            return StreamSchedule(torch.zeros(b, 2, **i32), torch.zeros(self._max_ctas, 4, **i32),
-                                  torch.zeros(4, **i32), self.num_ctas)
+            return StreamSchedule(torch.zeros(b, ACTIVE_REQ_FIELDS.value, **i32), torch.zeros(self._max_ctas, 4, **i32),
+                                  torch.zeros(self._max_ctas + 1, **i32), torch.zeros(PLAN_SCALARS, **i32),
+                                  torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(b, **i32),
+                                  torch.zeros(1, **i32), self.num_ctas)
         if self._kind == "units":
-            units = (fa3_unit_capacity(b, self.num_sms) if self.policy == "fa3" else
-                     deterministic_unit_capacity(b, self.max_total_tokens))
+            units = fa3_unit_capacity(b, self.num_sms)
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
@@ -154,31 +215,45 @@ class DecodeAttention:
 
     def _partial_slots(self) -> int:
         """Partial (O, LSE) slots: two per CTA for the stream (its first and last segment
-        may be cut; for the larger of its grids), one per (split, head) unit for the unit
-        queue, none for direct."""
+        may be cut; for the largest of its grids), or one per chunk and KV head in
+        deterministic mode; one per (split, head) unit for the unit queue, none for direct."""
+        if self._kind == "stream" and self.deterministic:
+            return self._chunking()[2] * self.num_kv_heads
         if self._kind == "stream":
             return 2 * self._max_ctas
         if self._kind == "units":
             return self._schedule.unit_req.shape[0] * self.num_kv_heads
         return 0
 
+    def _chunking(self, config: DecodeConfig | None = None) -> tuple[int, int, int]:
+        """Deterministic mode's (min chunk tiles, most chunks of a request, chunk capacity)."""
+        block_n = (config or self.config).block_n
+        return (-(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n), DETERMINISTIC_MAX_SPLITS,
+                deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens))
+
     def _use_pdl(self, config: DecodeConfig) -> bool:
         return config.programmatic_launch and self._pdl_capable
 
-    def launch_config(self, batch_size: int) -> tuple[DecodeConfig, int]:
-        """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests:
-        the balanced policy's many-segments row where it has one and the batch has at least
-        MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of the main grid, else
-        ``(self.config, self.num_ctas)``."""
-        if self._many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * self.num_ctas:
-            return self._many
-        return self.config, self.num_ctas
+    def launch_config(self, batch_size: int, q_len: int = 1) -> tuple[DecodeConfig, int]:
+        """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests of
+        up to ``q_len`` query tokens: for plain decode rows, the balanced policy's
+        many-segments row where it has one and the batch has at least MANY_SEGMENTS_PER_CTA
+        (request, KV head) segments per CTA of the main grid; else the q-length bucket's row."""
+        config, grid, many = self._variants[self._bucket(q_len)]
+        if many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
+            return many
+        return config, grid
 
-    def _default_grid(self, config: DecodeConfig) -> int:
-        """SMs x the resident CTAs per SM of ``config``'s decode kernel."""
+    def _bucket(self, q_len: int) -> int:
+        """The q-length bucket (kernel variant) of rows of up to q_len query tokens; the one
+        variant in deterministic mode."""
+        return next(iter(self._variants)) if self.deterministic else q_len_bucket(q_len)
+
+    def _default_grid(self, config: DecodeConfig, query: launch.QueryRows) -> int:
+        """SMs x the resident CTAs per SM of ``config``'s decode kernel for ``query``'s rows."""
         if not self._on_gpu:
             return self.num_sms * INTERPRETER_CTAS_PER_SM
-        compiled = self._compile(config, self._dummy_inputs())
+        compiled = self._compile(config, self._dummy_inputs(), query)
         return self.num_sms * min(launch.resident_ctas_per_sm(compiled, self.device), config.max_ctas_per_sm)
 
     def _dummy_inputs(self) -> dict:
@@ -193,103 +268,144 @@ class DecodeAttention:
                v_scale: float = 1.0) -> launch.LayerTerms:
         return launch.LayerTerms(sm_scale, self.logit_cap, self.sliding_window or 0, sinks, k_scale, v_scale)
 
-    def _compile(self, config: DecodeConfig, t: dict, merge: bool = False):
-        """Compile (without launching) this policy's decode kernel for ``config`` on tensors
-        laid out like ``t``'s (with sinks iff ``t["sinks"]`` is a tensor), and with ``merge``
-        its merge kernel; returns the compiled decode kernel."""
+    def _compile(self, config: DecodeConfig, t: dict, query: launch.QueryRows, merge: bool = False):
+        """Compile (without launching) this policy's decode kernel for ``config`` and ``query``'s
+        rows on tensors laid out like ``t``'s (with sinks iff ``t["sinks"]`` is a tensor), and
+        with ``merge`` its merge kernel; returns the compiled decode kernel."""
         terms = self._terms(1.0, t.get("sinks"))
         i32 = dict(dtype=torch.int32, device=self.device)
         lens = torch.zeros(1, **i32)
         scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         if self._kind == "stream":
             pdl = self._use_pdl(config)
-            cta_start, scalars = torch.zeros(1, 4, **i32), torch.zeros(4, **i32)
-            if merge:
-                launch.launch_merge_stream(scratch, scratch, t["out"], cta_start, scalars, terms, 1, self.num_kv_heads,
+            schedule = dataclasses.replace(self._schedule, num_ctas=1)
+            if merge and self.deterministic:
+                launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
+                                          query, self.num_kv_heads, 1, warmup=True)
+            elif merge:
+                launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self.num_kv_heads,
                                            config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                               lens, t["page_table"], torch.zeros(1, 2, **i32), cta_start, scalars,
-                                               terms, 1, self.page_size, config, pdl, warmup=True)
+                                               lens, lens, t["page_table"], schedule, self._errors, terms, query,
+                                               self.page_size, config, pdl, self.deterministic, warmup=True)
         if merge and self._kind == "units":
-            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, terms.sinks,
-                                      self.num_kv_heads, 1, warmup=True)
-        return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                          t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32), terms,
-                                          1, self._kind == "units", self.page_size, config, warmup=True)
+            launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
+                                      query, self.num_kv_heads, 1, warmup=True)
+        return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens, lens,
+                                          lens, t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32),
+                                          self._errors, terms, query, 1, self._kind == "units", self.page_size, config,
+                                          warmup=True)
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                index_dtypes: tuple = INDEX_DTYPES) -> None:
         """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
         for tensors laid out like these (dtypes, strides, alignment; any batch size): each
-        config's decode and merge kernels, and the plan and page-audit kernels for every
+        q-length bucket's and each config's decode and merge kernels (with and without tree
+        masks where the object takes them), and the plan and page-audit kernels for every
         batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
         specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
 
-        q: [*, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D]; out: [*, Hq, D] (default: like q);
+        q: [*, Hq, D]; k_cache, v_cache: as ``run`` takes them; out: [*, Hq, D] (default: like q);
         sinks: the [Hq] sinks ``run`` will take, or None.
         Under the Triton interpreter nothing is compiled (the launches are no-ops).
         """
-        t = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out if out is not None else q, sinks=sinks,
+        t = dict(q=q, k_cache=as_slots("k_cache", k_cache), v_cache=as_slots("v_cache", v_cache),
+                 out=out if out is not None else q, sinks=sinks,
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
-        configs = [(self.config, self.num_ctas)] + ([self._many] if self._many else [])
         s = self._schedule
+        plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
         with parallel_compiles():
-            for config, ctas in configs:
-                self._compile(config, t, merge=True)
+            for bucket, (config, grid, many) in self._variants.items():
+                for tree in (False, True) if bucket > 1 and self.tree_masks else (False,):
+                    self._compile(config, t, self._query(bucket, tree), merge=True)
+                plans.append((config, grid, bucket > 1))
+                if many is not None:
+                    self._compile(many[0], t, self._query(bucket), merge=True)
+                    plans.append((many[0], many[1], False))
             for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
                 for dtype in index_dtypes:
                     lens = torch.zeros(block_b, dtype=dtype, device=self.device)
-                    plan_launch.launch_audit_pages(lens, t["page_table"], self._errors, 1, self.page_size, self.num_sms,
-                                                   self.sliding_window or 0, warmup=True)
-                    for config, ctas in configs if self._kind == "stream" else []:
-                        plan_launch.launch_plan_stream(lens, self._plan_seq_lens, s.active_req, s.cta_start,
-                                                       s.plan_scalars, self._errors, 1, self.sliding_window or 0, ctas,
-                                                       self.num_sms, self.num_kv_heads, config.block_n, warmup=True)
+                    plan_launch.launch_audit_pages(lens, self._row_per_request, t["page_table"], self._errors, 1,
+                                                   self.page_size, self.num_sms, self.sliding_window or 0, warmup=True)
+                    for config, ctas, multi_q in plans if self._kind == "stream" else []:
+                        plan_launch.launch_plan_stream(
+                            lens, self._row_per_request, self._plan_seq_lens, dataclasses.replace(s, num_ctas=ctas),
+                            self._errors, 1, self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads,
+                            config.block_n, self._chunking(config) if self.deterministic else None, warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
 
-    def plan(self, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
+    def plan(self, seq_lens: torch.Tensor, page_table: torch.Tensor, *, cu_seqlens_q: torch.Tensor | None = None,
+             q_len: int = 1, tree_mask: torch.Tensor | None = None,
              seq_lens_cpu: torch.Tensor | None = None) -> DecodePlan:
         """Plan one batch. The returned plan is what ``run`` takes; it stays valid until
         this object plans again (its schedule lives in this object's buffers).
 
-        seq_lens: [B] int32/int64 on this device, KV tokens of each request (0 = padding row).
+        seq_lens: [B] int32/int64 on this device, KV tokens of each request including its
+            query tokens (0 = padding row).
         page_table: [B, max_pages] int32 on this device, unit stride in the last dim; page ids.
+        cu_seqlens_q: [B + 1] int32 on this device: request b's query tokens are q rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; default (plain decode) q row b. Query
+            token t of request b sits at position seq_len - q_len + t and sees the keys up to
+            it (causal among the request's new tokens). A malformed range (q_len past
+            ``q_len``, a q_len above 1 for plain decode rows) is flagged on the device
+            (``evenkv.check_errors``) and never run as something else.
+        q_len: host int, the most query tokens of one request (1 to this object's max_q_len):
+            picks the kernel variant.
+        tree_mask: None, or [>= cu_seqlens_q[B]] int32 on this device (with q_len > 1 and
+            ``tree_masks=True``): bit j of tree_mask[i] says whether query row i sees its
+            request's new token j (the prefix is always seen); bit t of token t must be set.
         seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
             the page table with no sync.
         """
-        check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=self.device)
-        batch = seq_lens.shape[0]
-        check_page_table(page_table, batch, self.device)
+        batch = check_batch_metadata(seq_lens, page_table, self.device)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
+        check_positive_int("q_len", q_len)
+        if q_len > self.max_q_len:
+            raise ValueError(f"q_len: expected at most this object's max_q_len={self.max_q_len}, got {q_len}")
+        if cu_seqlens_q is None:
+            if q_len > 1:
+                raise ValueError(f"cu_seqlens_q: rows of up to q_len={q_len} query tokens need cu_seqlens_q "
+                                 f"[B + 1] int32, got None")
+            cu_seqlens_q = self._row_per_request[:batch + 1]
+        else:
+            check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=(torch.int32,), device=self.device)
+        tree = tree_mask is not None
+        if tree:
+            if not self.tree_masks or q_len == 1:
+                raise ValueError(f"tree_mask: expected None for an object built with tree_masks={self.tree_masks} "
+                                 f"planning rows of q_len={q_len} (tree masks need tree_masks=True and q_len > 1)")
+            check_tensor("tree_mask", tree_mask, shape=(None,), dtypes=(torch.int32,), device=self.device)
         capacity = page_table.shape[1] * self.page_size
         if seq_lens_cpu is not None:
             check_lengths(seq_lens_cpu, capacity)
         elif self.debug:
             check_lengths(seq_lens.cpu(), capacity)
         plan_seq_lens = self._plan_seq_lens[:batch]
-        config, ctas = self.launch_config(batch)
+        config, ctas = self.launch_config(batch, q_len)
         schedule = self._schedule
+        bucket = self._bucket(q_len)
         if batch > 0 and self._kind == "stream":
             schedule = self._grid_schedules[ctas]
-            plan_launch.launch_plan_stream(seq_lens, plan_seq_lens, schedule.active_req, schedule.cta_start,
-                                           schedule.plan_scalars, self._errors, capacity, self.sliding_window or 0, ctas,
-                                           self.num_sms, self.num_kv_heads, config.block_n)
+            plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule, self._errors, capacity,
+                                           self.sliding_window or 0, q_len, bucket > 1, self.num_sms,
+                                           self.num_kv_heads, config.block_n,
+                                           self._chunking(config) if self.deterministic else None)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
             self._errors.bitwise_or_(clamped.to(torch.int32) * LENGTH_OUT_OF_RANGE)
-            # The units are split by the tokens each row sees (a window's last W).
-            visible = plan_seq_lens if self.sliding_window is None else plan_seq_lens.clamp(max=self.sliding_window)
-            if self.policy == "fa3":
-                plan_fa3_units(visible, self._schedule, block_n=config.block_n,
-                               num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
-            elif self._kind == "units":
-                plan_chunked_units(visible, self._schedule, self._errors, block_n=config.block_n,
-                                   num_kv_heads=self.num_kv_heads, lost_bit=INVARIANCE_LOST)
-        self._plan = DecodePlan(batch, plan_seq_lens, page_table, schedule, config)
+            q_lens, malformed = decode_query_lens(cu_seqlens_q, plan_seq_lens, q_len, bucket > 1)
+            self._errors.bitwise_or_(malformed.any().to(torch.int32) * QUERY_OUT_OF_RANGE)
+            if self._kind == "units":
+                # The units are split by the tiles each row reads (a window's, ``row_window``).
+                plan_fa3_units(visible_keys(plan_seq_lens, q_lens, self.sliding_window), self._schedule,
+                               block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
+        query = self._query(bucket, tree)
+        self._plan = self._plans.add(DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
+                                                tree_mask if tree else self._no_tree, query, q_len))
         self._audit_pending = True
         return self._plan
 
@@ -300,32 +416,34 @@ class DecodeAttention:
             k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Decode attention for the batch ``plan`` describes (the last one planned).
 
-        q: [B, Hq, D] (dtype of this object; unit stride in D).
+        q: [B, Hq, D] for plain decode rows, [total_q, Hq, D] for rows of several query tokens
+            (the rows cu_seqlens_q names; dtype of this object; unit stride in D).
         k_cache, v_cache: [num_slots, Hkv, D] of ``kv_dtype``, any strides but unit stride in
-            D; slot = page * page_size + offset.
-        out: optional [B, Hq, D] output (dtype of q).
+            D (slot = page * page_size + offset), or [num_pages, page_size, Hkv, D] where that
+            views as slots without a copy.
+        out: optional output shaped like q (dtype of q).
         sm_scale: softmax scale of this call (a layer's); default the constructor's.
         sinks: None or [Hq] float32/bfloat16/float16 sink logits (gpt-oss): head h's softmax
             denominator gains exp(sinks[h]) (natural log, not scaled by sm_scale).
         k_scale, v_scale: an FP8 cache's per-tensor dequantization scales (host floats; real =
             stored * scale); 1.0 for a cache in q's dtype.
-        Returns out: [B, Hq, D]; rows of requests with seq_len 0 are zeros.
+        Returns out; rows of requests with seq_len 0 are zeros; q rows in no request are not written.
         """
         self.check_plan(plan)
         b, hq, hkv, d = plan.batch_size, self.num_q_heads, self.num_kv_heads, self.head_dim
-        check_tensor("q", q, shape=(b, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
-        check_tensor("k_cache", k_cache, shape=(None, hkv, d), dtypes=(self.kv_dtype,), device=self.device,
-                     last_dim_contiguous=True)
-        check_tensor("v_cache", v_cache, shape=(k_cache.shape[0], hkv, d), dtypes=(self.kv_dtype,),
-                     device=self.device, last_dim_contiguous=True)
+        rows = b if plan.query.max_q_len == 1 else None
+        check_tensor("q", q, shape=(rows, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
+                        num_kv_heads=hkv, head_dim=d)
+        k_cache, v_cache = as_slots("k_cache", k_cache), as_slots("v_cache", v_cache)
         terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
-        if b == 0:
+        if b == 0 or q.shape[0] == 0:
             return out
         if self.debug:
             check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0], self.sliding_window)
         if self._audit_pending:
-            self.audit_pages(plan.seq_lens, plan.page_table, k_cache.shape[0])
+            self.audit_pages(plan, k_cache.shape[0])
         return self.run_unchecked(plan, q, k_cache, v_cache, out, terms)
 
     def layer_terms(self, sm_scale: float | None, sinks: torch.Tensor | None, k_scale: float,
@@ -340,46 +458,60 @@ class DecodeAttention:
                              f"{FP8_KV_DTYPES[0]})")
         return self._terms(scale, sinks, k_scale, v_scale)
 
-    def audit_pages(self, seq_lens: torch.Tensor, page_table: torch.Tensor, num_slots: int) -> None:
+    def audit_pages(self, plan: DecodePlan, num_slots: int) -> None:
         """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
         slots in the error flag (the kernels never dereference them)."""
-        plan_launch.launch_audit_pages(seq_lens, page_table, self._errors, num_slots // self.page_size, self.page_size,
-                                       self.num_sms, self.sliding_window or 0)
+        plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
+                                       num_slots // self.page_size, self.page_size, self.num_sms,
+                                       self.sliding_window or 0)
         self._audit_pending = False
 
     def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, terms: launch.LayerTerms) -> torch.Tensor:
         """``run`` after its checks and the page audit (``evenkv.Attention`` calls this)."""
         hkv = self.num_kv_heads
-        s = plan.schedule
+        s, query, cu, tree = plan.schedule, plan.query, plan.cu_seqlens_q, plan.tree_mask
+        errors = self._errors
         if self._kind == "stream":
-            pdl = self._use_pdl(plan.config)
+            pdl = self._use_pdl(plan.config) and not self.deterministic
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
-                                        plan.seq_lens, plan.page_table, s.active_req, s.cta_start, s.plan_scalars,
-                                        terms, s.num_ctas, self.page_size, plan.config, pdl)
-            launch.launch_merge_stream(self._o_part, self._lse_part, out, s.cta_start, s.plan_scalars, terms,
-                                       s.num_ctas, hkv, plan.config, pdl)
+                                        plan.seq_lens, cu, tree, plan.page_table, s, errors, terms, query,
+                                        self.page_size, plan.config, pdl, self.deterministic)
+            if self.deterministic:
+                launch.launch_merge_units(self._o_part, self._lse_part, out, plan.seq_lens, cu, s.req_chunks,
+                                          s.req_chunk_base, s.merge_list, s.merge_count, terms.sinks, query, hkv,
+                                          s.num_ctas)
+            else:
+                launch.launch_merge_stream(self._o_part, self._lse_part, out, s, terms, query, hkv, plan.config, pdl)
         elif self._kind == "units":
-            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
-                                       plan.page_table, s.unit_req, s.unit_split, s.req_splits,
-                                       s.req_tiles_per_split, s.num_units, self._queue, terms, s.num_ctas, True,
-                                       self.page_size, plan.config)
-            launch.launch_merge_units(self._o_part, self._lse_part, out, s.req_splits, s.req_split_base,
-                                      s.merge_list, s.merge_count, terms.sinks, hkv, s.num_ctas)
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens, cu,
+                                       tree, plan.page_table, s.unit_req, s.unit_split, s.req_splits,
+                                       s.req_tiles_per_split, s.num_units, self._queue, errors, terms, query,
+                                       s.num_ctas, True, self.page_size, plan.config)
+            launch.launch_merge_units(self._o_part, self._lse_part, out, plan.seq_lens, cu, s.req_splits,
+                                      s.req_split_base, s.merge_list, s.merge_count, terms.sinks, query, hkv,
+                                      s.num_ctas)
         else:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
-            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, plan.seq_lens,
-                                       plan.page_table, plan.seq_lens, plan.seq_lens, plan.seq_lens, plan.seq_lens,
-                                       plan.seq_lens, plan.seq_lens, terms, plan.batch_size * hkv, False,
-                                       self.page_size, plan.config)
+            lens = plan.seq_lens
+            launch.launch_decode_units(q, k_cache, v_cache, out, self._o_part, self._lse_part, lens, cu, tree,
+                                       plan.page_table, lens, lens, lens, lens, lens, lens, errors, terms, query,
+                                       plan.batch_size * hkv, False, self.page_size, plan.config)
         return out
 
     def check_plan(self, plan) -> None:
         """``plan`` must be this object's latest plan: older plans' schedules are overwritten."""
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan: expected the DecodePlan returned by plan(), got {type(plan).__name__}")
-        if plan is not self._plan:
-            raise ValueError("plan: expected this object's latest plan; it has planned another batch since (its "
-                             "schedule buffers hold one plan at a time): plan this batch again")
+        self._plans.check(plan, DecodePlan, self._plan)
+
+
+def q_len_buckets(max_q_len: int) -> list[int]:
+    """The q-length buckets of rows of up to max_q_len query tokens: 1 and the powers of two
+    above it, up to max_q_len rounded up (each is one kernel variant)."""
+    return [1] + [1 << k for k in range(1, max(max_q_len - 1, 0).bit_length() + 1)]
+
+
+def q_len_bucket(q_len: int) -> int:
+    """The bucket of rows of up to q_len query tokens: q_len rounded up to a power of two."""
+    return 1 << (q_len - 1).bit_length()
 
 
 def check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
@@ -415,20 +547,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
            v_scale: float = 1.0, **kwargs) -> torch.Tensor:
     """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
 
-    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] (q's dtype or FP8); seq_lens [B] int;
-    page_table [B, max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
+    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D]
+    (q's dtype or FP8; as ``DecodeAttention.run``); seq_lens [B] int; page_table [B,
+    max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
     kwargs as its constructor (sliding_window, logit_cap, ...). Returns [B, Hq, D]. Serving
     code should keep one DecodeAttention and reuse it (this allocates workspaces and
     compiles on first use).
     """
-    check_tensor("q", q, shape=(None, None, None))
-    check_tensor("k_cache", k_cache, shape=(None, None, None))
-    check_tensor("page_table", page_table, shape=(None, None))
-    attn = DecodeAttention(q.shape[1], k_cache.shape[1], q.shape[2], page_size, q.dtype, q.device,
-                           max(q.shape[0], 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,
+    check_tensor("q", q, shape=(None, None, None), dtypes=SUPPORTED_DTYPES)
+    device = resolve_device(q.device, "q")
+    check_cache("k_cache", k_cache, page_size=None, dtypes=None, device=device)
+    batch = check_batch_metadata(seq_lens, page_table, device)
+    attn = DecodeAttention(q.shape[1], k_cache.shape[-2], q.shape[2], page_size, q.dtype, device,
+                           max(batch, 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,
                            kv_dtype=k_cache.dtype if k_cache.dtype in FP8_KV_DTYPES else None, **kwargs)
     return attn.run(attn.plan(seq_lens, page_table), q, k_cache, v_cache, out=out, sinks=sinks, k_scale=k_scale,
                     v_scale=v_scale)
 
 
-__all__ = ["DecodeAttention", "DecodePlan", "decode", "POLICIES"]
+__all__ = ["DecodeAttention", "DecodePlan", "decode", "POLICIES", "MAX_DECODE_Q_LEN"]

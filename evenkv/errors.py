@@ -2,10 +2,10 @@
 
 The kernels never read or write outside the caches and tensors they are given, whatever the
 page table, slots and lengths say: a page id outside the KV cache is never dereferenced
-(decode leaves its tokens out; extend reads page 0 in its place), a slot outside the cache
-is not written, lengths are clamped to the page table (negatives count as 0), and query rows
-are clamped to ``q``. Each of these sets a bit of one int32 flag per device, which a host
-can read when it chooses:
+(its tokens are left out of their request's attention), a slot outside the cache is not
+written, lengths are clamped to the page table (negatives count as 0; an extend row's
+seq_len is raised to its q_len), and query rows are clamped to ``q``. Each of these sets a
+bit of one int32 flag per device, which a host can read when it chooses:
 
     evenkv.check_errors()        # syncs; raises EvenKVError naming what was wrong, and clears
     evenkv.errors.peek(device)   # syncs; the reasons, without raising or clearing
@@ -28,13 +28,17 @@ SLOT_OUT_OF_RANGE = error_bits.SLOT_OUT_OF_RANGE.value
 LENGTH_OUT_OF_RANGE = error_bits.LENGTH_OUT_OF_RANGE.value
 QUERY_OUT_OF_RANGE = error_bits.QUERY_OUT_OF_RANGE.value
 INVARIANCE_LOST = error_bits.INVARIANCE_LOST.value
+SEQ_LEN_BELOW_Q_LEN = error_bits.SEQ_LEN_BELOW_Q_LEN.value
 
 REASONS = {
-    PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (its tokens were left out)",
+    PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (never read: those tokens were "
+                       "left out of their request's attention)",
     SLOT_OUT_OF_RANGE: "slot_mapping: a slot >= the KV cache's slots (that token was not written)",
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
-    QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or more than "
-                        "seq_lens (clamped; those rows were not computed)",
+    QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or (decode rows) "
+                        "more than their seq_lens (clamped; those rows were not computed)",
+    SEQ_LEN_BELOW_Q_LEN: "seq_lens: a length below its request's q_len (seq_lens count the new tokens too; read as "
+                         "q_len, so its queries saw only the first q_len positions)",
     INVARIANCE_LOST: "deterministic decode: a batch held more tokens than max_total_tokens (shared prefix pages?); "
                      "it was split by its total, so it is correct but not bitwise batch invariant",
 }
@@ -133,4 +137,5 @@ class ErrorWatcher:
 
 
 __all__ = ["EvenKVError", "ErrorWatcher", "check_errors", "error_flag", "peek", "reasons", "REASONS",
-           "PAGE_OUT_OF_RANGE", "SLOT_OUT_OF_RANGE", "LENGTH_OUT_OF_RANGE", "QUERY_OUT_OF_RANGE", "INVARIANCE_LOST"]
+           "PAGE_OUT_OF_RANGE", "SLOT_OUT_OF_RANGE", "LENGTH_OUT_OF_RANGE", "QUERY_OUT_OF_RANGE", "INVARIANCE_LOST",
+           "SEQ_LEN_BELOW_Q_LEN"]

@@ -19,10 +19,9 @@ import torch
 from evenkv.kernels import plan_launch
 from evenkv.kernels import extend_launch as launch
 
-from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_fp8_capable,
-                     check_kv_scale,
-                     check_page_table, check_positive_int, check_sinks, check_tensor, normalize_logit_cap,
-                     normalize_window, output_like, resolve_device, resolve_sm_scale)
+from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, check_batch_metadata, check_fp8_capable,
+                     check_head_dim, check_kv_caches, check_kv_scale, check_positive_int, check_sinks, check_tensor,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
 from .planning import ExtendPlan, plan_extend
 
@@ -46,37 +45,6 @@ def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 # -- validation -------------------------------------------------------------------
-
-
-def check_cache(name: str, cache, *, page_size: int, dtype: torch.dtype | tuple, device: torch.device,
-                shape: tuple | None = None) -> torch.Tensor:
-    """A cache viewed as [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D] (any strides,
-    unit stride in D) of ``dtype`` (the cache's: q's or an FP8 one; or a tuple of those it may
-    have). ``shape`` (if given) must match exactly."""
-    if not isinstance(cache, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
-    if cache.dim() not in (3, 4):
-        raise ValueError(f"{name}: expected [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D], "
-                         f"got shape {tuple(cache.shape)}")
-    if cache.dim() == 4 and cache.shape[1] != page_size:
-        raise ValueError(f"{name}: expected [num_pages, page_size={page_size}, Hkv, D], got shape "
-                         f"{tuple(cache.shape)}")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    return check_tensor(name, cache, shape=shape, dtypes=dtypes, device=device, last_dim_contiguous=True)
-
-
-def check_head_dim(head_dim: int) -> None:
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: evenkv extend supports {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-
-
-def check_batch_metadata(cu_seqlens_q, seq_lens, page_table, device: torch.device) -> int:
-    """Shapes and dtypes of cu_seqlens_q [B+1], seq_lens [B], page_table [B, max_pages]; returns B."""
-    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=device)
-    batch = seq_lens.shape[0]
-    check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=INDEX_DTYPES, device=device)
-    check_page_table(page_table, batch, device)
-    return batch
 
 
 def check_lengths_on_host(cu_seqlens_q, seq_lens, *, max_q_len: int, total_q: int, capacity: int,
@@ -126,7 +94,9 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         seq_lens: [B] int32/int64, device: the total KV length of each request
             INCLUDING its new tokens (vLLM ``seq_lens``, SGLang ``seq_lens``).
         page_table: [B, max_pages] int32, any row stride: page ids of each request.
-        page_size: 1, 8, 16, 32, 64 or 128.
+        page_size: 1, 8, 16, 32, 64 or 128: the page size the cache and page_table were
+            written with. A 4-D cache must show it (shape[1]); nothing can check it against a
+            3-D cache, where another page size silently reads the wrong slots.
         max_q_len: host int >= every q length (vLLM ``max_query_len``, SGLang
             ``max(extend_seq_lens_cpu)``); sizes the grid, so no host sync.
         k_new, v_new: None (the new tokens' K/V are already in the cache at positions
@@ -161,21 +131,17 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         out [total_q, Hq, D], dtype of q. Rows past cu_seqlens_q[-1] are not written.
 
     Raises:
-        TypeError / ValueError naming the argument for malformed inputs;
-        NotImplementedError for unsupported features (head_dim outside
-        64/80/96/128/256, a sliding window without causal masking).
+        TypeError / ValueError naming the argument, for malformed inputs and for unsupported
+        values (head_dim outside 64/80/96/128/256, a sliding window without causal masking).
     """
     check_tensor("q", q, shape=(None, None, None), dtypes=SUPPORTED_DTYPES, last_dim_contiguous=True)
     total_q, num_q_heads, head_dim = q.shape
-    dev = resolve_device(q.device)
-    check_head_dim(head_dim)
+    dev = resolve_device(q.device, "q")
+    check_head_dim(head_dim, " (q's last dim)")
     check_positive_int("page_size", page_size, allowed=PAGE_SIZES)
-    check_cache("k_cache", k_cache, page_size=page_size, dtype=(q.dtype, *FP8_KV_DTYPES), device=dev)
+    check_kv_caches(k_cache, v_cache, page_size=page_size, dtypes=(q.dtype, *FP8_KV_DTYPES), device=dev,
+                    head_dim=head_dim)
     num_kv_heads = k_cache.shape[-2]
-    if k_cache.shape[-1] != head_dim:
-        raise ValueError(f"k_cache: expected head_dim {head_dim} (of q) in the last dim, got shape "
-                         f"{tuple(k_cache.shape)}")
-    check_cache("v_cache", v_cache, page_size=page_size, dtype=k_cache.dtype, device=dev, shape=tuple(k_cache.shape))
     check_fp8_capable(k_cache.dtype, dev)
     k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     if k_cache.dtype not in FP8_KV_DTYPES:
@@ -186,7 +152,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: expected Hq a multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
     sinks = check_sinks(sinks, num_q_heads, dev)
-    batch = check_batch_metadata(cu_seqlens_q, seq_lens, page_table, dev)
+    batch = check_batch_metadata(seq_lens, page_table, dev, cu_seqlens_q)
     if isinstance(max_q_len, bool) or not isinstance(max_q_len, int):
         raise TypeError(f"max_q_len: expected a host int, got {type(max_q_len).__name__}")
     if max_q_len < 0:
@@ -204,7 +170,8 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     window = normalize_window(sliding_window)
     cap = normalize_logit_cap(logit_cap)
     if window is not None and not causal:
-        raise NotImplementedError("sliding_window: evenkv extend supports a sliding window only with causal=True")
+        raise ValueError(f"sliding_window: expected None or 0 with causal=False (a window needs causal masking), "
+                         f"got {sliding_window}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if config is not None and not isinstance(config, ExtendConfig):
@@ -221,7 +188,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
                        max_q_len=max_q_len, config=config, schedule=schedule)
     num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else page_size)
-    plan_launch.launch_audit_pages(seq_lens, page_table, plan.errors, num_slots // page_size, page_size,
+    plan_launch.launch_audit_pages(seq_lens, cu_seqlens_q, page_table, plan.errors, num_slots // page_size, page_size,
                                      sm_count(dev))
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)

@@ -14,14 +14,15 @@ Policies (docs/design.md, "Decode policies"):
   counter. No batch-size cap (FA3's one-CTA prepare kernel stops splitting above 992).
   Filled by a few torch ops.
 * ``none``: one program per (request, KV head), no split; no schedule tensors.
-* ``deterministic=True`` (with ``balanced``) -> :class:`UnitSchedule` whose splits are a
-  function of each request's own length only: pieces of
-  ``max(DETERMINISTIC_MIN_CHUNK_TOKENS, n / DETERMINISTIC_MAX_SPLITS)`` tokens, merged in a
-  fixed order, so a request's output is bitwise the same whatever else shares the batch
-  (stream-K boundaries move with the batch). The pieces of every request go to
-  persistent CTAs heaviest first, so one long request still fills the GPU (a 256K-token
-  request is 128 pieces per KV head). The partial workspace holds
-  ``deterministic_unit_capacity`` splits, sized from the most tokens a batch can hold.
+* ``deterministic=True`` (with ``balanced``) -> :class:`StreamSchedule` on the same cost
+  line, with every segment cut into chunks whose size is a function of its request's own
+  length: ``max(DETERMINISTIC_MIN_CHUNK_TOKENS, n / DETERMINISTIC_MAX_SPLITS)`` tokens
+  (``kernels.plan.chunk_tiles``), and CTA starts moved up to chunk boundaries. Each chunk of
+  a segment of several is stored from a fresh accumulator and the chunks are merged in a
+  fixed order, so a request's output is bitwise the same whatever else shares the batch,
+  while the walk keeps the balanced policy's single pipelined loop (a 256K-token request is
+  128 chunks per KV head, so it still fills the GPU). The partial workspace holds
+  ``deterministic_chunk_capacity`` chunks, sized from the most tokens a batch can hold.
 
 Every planner works on device tensors only (no ``.item()``, no host sync) and writes
 into buffers allocated once by ``evenkv.DecodeAttention``, so planning can be
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from evenkv.kernels import plan_launch
+from evenkv.kernels.decode_launch import QueryRows
 
 from .configs import DecodeConfig, ExtendConfig
 from .errors import error_flag
@@ -43,24 +45,41 @@ from .errors import error_flag
 # FA3's "1.1" in blocks_per_sm, as an exact integer ratio so the numpy oracle matches.
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
 FA3_MAX_SPLITS = 128
-# Batch-invariant splits: pieces of at least DETERMINISTIC_MIN_CHUNK_TOKENS, at most
-# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer pieces): enough pieces
+# Batch-invariant chunks: of at least DETERMINISTIC_MIN_CHUNK_TOKENS, at most
+# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer chunks): enough chunks
 # for one request to fill an H200's persistent grid, few enough that each is a few tiles.
 DETERMINISTIC_MIN_CHUNK_TOKENS = 512
 DETERMINISTIC_MAX_SPLITS = 128
 
 
+# plan_scalars of the balanced plan: piece, total, active requests, the most tiles of one
+# segment, the end of the last query row.
+PLAN_SCALARS = 5
+
+
 @dataclass(frozen=True)
 class StreamSchedule:
-    """``balanced`` plan over num_ctas CTAs. active_req [B, 2] int32 (non-empty requests in
-    order: batch index, clamped length); cta_start [>= num_ctas, 4] int32 (row c: the request
-    CTA c starts in: its index into active_req, batch index, length, cost start; the buffer
-    is sized for the larger of the backend's grids); plan_scalars [4] int32 (piece, total,
-    active count, the most tiles of one segment: a sliding window counts its own)."""
+    """``balanced`` plan over num_ctas CTAs (``evenkv.kernels.plan.plan_stream_kernel``).
+
+    active_req [B, ACTIVE_REQ_FIELDS] int32: the non-empty requests in order (batch index,
+    clamped length, first q row, q_len, deterministic chunk and first chunk); cta_start
+    [>= num_ctas, 4] int32 (row c: the request CTA c starts in: its index into active_req,
+    batch index, length, cost start; sized for the largest of the object's grids); cta_pos [>=
+    num_ctas + 1] int32: where each CTA starts on the cost line (and the total); plan_scalars
+    [PLAN_SCALARS] int32 (piece, total, active count, the most tiles of one segment: a sliding
+    window counts its own; the end of the last query row). Deterministic mode's merge lists
+    (``decode.merge_units_kernel``): req_chunks, req_chunk_base [B] int32 (a request's chunks
+    and its first chunk's index), merge_list [B] int32 and merge_count [1] int32 (the
+    requests of several chunks)."""
 
     active_req: torch.Tensor
     cta_start: torch.Tensor
+    cta_pos: torch.Tensor
     plan_scalars: torch.Tensor
+    req_chunks: torch.Tensor
+    req_chunk_base: torch.Tensor
+    merge_list: torch.Tensor
+    merge_count: torch.Tensor
     num_ctas: int
 
 
@@ -93,6 +112,10 @@ class DecodePlan:
     page_table: [B, max_pages] int32, the caller's tensor (its address is used at run).
     schedule: StreamSchedule (balanced), UnitSchedule (fa3, deterministic) or None (none).
     config: the DecodeConfig the batch runs with (``DecodeAttention.launch_config``).
+    cu_seqlens_q: [B + 1] int32, the requests' query rows (q row b for plain decode).
+    tree_mask: [>= total_q] int32 tree masks, or a [1] placeholder (query.tree says which).
+    query: the rows' shape as the kernels take it (``decode_launch.QueryRows``).
+    q_len: host int, the most query tokens of one request.
     The schedule lives in the planning object's buffers, so a plan is valid until that
     object plans again; ``run`` refuses an older plan.
     """
@@ -102,6 +125,32 @@ class DecodePlan:
     page_table: torch.Tensor
     schedule: StreamSchedule | UnitSchedule | None
     config: DecodeConfig
+    cu_seqlens_q: torch.Tensor
+    tree_mask: torch.Tensor
+    query: QueryRows
+    q_len: int
+
+
+def decode_query_lens(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int,
+                      multi_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_len [B], malformed [B] bool) of decode requests from cu_seqlens_q [B + 1] and clamped
+    seq_lens [B], as the kernels clamp them (``kernels.plan.decode_query_rows``): rows of several
+    query tokens take q_len in [0, min(max_q_len, seq_len)] (up to max_q_len for padding rows,
+    seq_len 0); plain decode rows one token. GPU ops only."""
+    start = cu_seqlens_q[:-1]
+    raw = cu_seqlens_q[1:] - start
+    if not multi_q:
+        return torch.ones_like(raw), (raw > 1) | (raw < 0)
+    cap = torch.where(seq_lens > 0, seq_lens.clamp(max=max_q_len), max_q_len)
+    q_lens = torch.where(start >= 0, torch.minimum(raw.clamp(min=0), cap), 0)
+    return q_lens, (q_lens != raw) | (start < 0)
+
+
+def visible_keys(seq_lens: torch.Tensor, q_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B]: the keys a decode row reads as a whole: all of its clamped seq_len, or with a sliding
+    window W the last W + q_len - 1 (``kernels.plan.row_window``); none for a row of no query."""
+    visible = seq_lens if window is None else torch.minimum(seq_lens, window + q_lens.clamp(min=1) - 1)
+    return torch.where(q_lens > 0, visible, 0)
 
 
 def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:
@@ -122,32 +171,10 @@ def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int,
     _fill_units(tiles, splits, sched, num_kv_heads)
 
 
-def deterministic_unit_capacity(max_batch_size: int, max_total_tokens: int) -> int:
-    """Splits the deterministic planner can need for a batch of at most max_total_tokens:
-    a request of n tokens has at most n / DETERMINISTIC_MIN_CHUNK_TOKENS + 1 pieces."""
+def deterministic_chunk_capacity(max_batch_size: int, max_total_tokens: int) -> int:
+    """Chunks the deterministic plan can need for a batch of at most max_total_tokens: a
+    request of n tokens has at most n / DETERMINISTIC_MIN_CHUNK_TOKENS + 1 chunks."""
     return max_batch_size + -(-max_total_tokens // DETERMINISTIC_MIN_CHUNK_TOKENS)
-
-
-def plan_chunked_units(seq_lens: torch.Tensor, sched: UnitSchedule, errors: torch.Tensor, *, block_n: int,
-                       num_kv_heads: int, lost_bit: int) -> None:
-    """Fill ``sched`` from clamped ``seq_lens [B] int32`` with batch-invariant splits: each
-    request's chunk depends on its own length only. Worked example (block_n 64, so a
-    minimum chunk of 8 tiles): 100 tiles -> chunk max(8, ceil(100 / 128)) = 8 -> 13 pieces;
-    8192 tiles -> chunk 64 -> 128 pieces.
-
-    A batch of more tokens than the workspace was sized for (``deterministic_unit_capacity``;
-    only where requests share prefix pages) takes larger chunks, from the batch's total, to
-    fit: still correct, no longer bitwise invariant, and ``lost_bit`` is set in ``errors``."""
-    tiles = (seq_lens + (block_n - 1)) // block_n
-    min_chunk = -(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n)
-    chunk = torch.clamp((tiles + DETERMINISTIC_MAX_SPLITS - 1) // DETERMINISTIC_MAX_SPLITS, min=min_chunk)
-    splits = torch.clamp((tiles + chunk - 1) // chunk, min=1)
-    room = max(sched.unit_req.shape[0] - tiles.shape[0], 1)
-    overflow = splits.sum() > sched.unit_req.shape[0]
-    fit_chunk = torch.maximum(chunk, (tiles.sum() + room - 1) // room)
-    splits = torch.where(overflow, torch.clamp((tiles + fit_chunk - 1) // fit_chunk, min=1), splits)
-    errors.bitwise_or_(overflow.to(torch.int32) * lost_bit)
-    _fill_units(tiles, splits, sched, num_kv_heads)
 
 
 def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, num_kv_heads: int) -> None:

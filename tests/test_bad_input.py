@@ -42,7 +42,7 @@ def test_plan_rejects(device):
         (lambda: attn.plan(lens.float(), pt), TypeError, ["seq_lens", "float32"]),
         (lambda: attn.plan(lens[None], pt), ValueError, ["seq_lens", "1 dims"]),
         (lambda: attn.plan(lens, pt.long()), TypeError, ["page_table", "int64"]),
-        (lambda: attn.plan(lens, pt[:1]), ValueError, ["page_table", "[2, *]", "(1, 8)"]),
+        (lambda: attn.plan(lens, pt[:1]), ValueError, ["seq_lens", "[1]", "(1, 8)", "(2,)"]),
         (lambda: attn.plan(torch.ones(5, dtype=torch.int32, device=device),
                            torch.zeros(5, 8, dtype=torch.int32, device=device)), ValueError, ["max_batch_size=4", "5"]),
         (lambda: attn.plan(lens, torch.zeros(2, 9, dtype=torch.int32, device=device)), ValueError,
@@ -93,11 +93,11 @@ def test_run_rejects(device):
     other = _attn(device).plan(lens, pt)
     cases = [
         (lambda: attn.run(stale, q, kc, vc), ValueError, ["plan", "latest plan"]),
-        (lambda: attn.run(other, q, kc, vc), ValueError, ["plan", "latest plan"]),
+        (lambda: attn.run(other, q, kc, vc), ValueError, ["plan", "another DecodeAttention"]),
         (lambda: attn.run(plan, q[:1], kc, vc), ValueError, ["q", "[2, 8, 64]", "(1, 8, 64)"]),
         (lambda: attn.run(plan, q.view(2, 4, 128), kc, vc), ValueError, ["q", "[2, 8, 64]"]),
         (lambda: attn.run(plan, q.bfloat16(), kc, vc), TypeError, ["q", "bfloat16"]),
-        (lambda: attn.run(plan, q, kc[:, :1], vc), ValueError, ["k_cache", "[*, 2, 64]"]),
+        (lambda: attn.run(plan, q, kc[:, :1], vc), ValueError, ["k_cache", "[..., Hkv=2, D=64]"]),
         (lambda: attn.run(plan, q, kc, vc[:-1]), ValueError, ["v_cache"]),
         (lambda: attn.run(plan, q, kc, vc.half().float()), TypeError, ["v_cache", "float32"]),
         (lambda: attn.run(plan, q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc), ValueError,
@@ -187,3 +187,108 @@ def test_fuzz_public_api_refuses_malformed_input(device, no_launch, q_shape, q_d
     else:
         with pytest.raises((TypeError, ValueError)):
             attn.run(plan, q, k, k)
+
+
+# -- one rule per argument, and messages that name it ---------------------------------------
+
+SUPPORTED = "(64, 80, 96, 128, 256)"
+
+
+def test_head_dim_is_one_rule(device):
+    """An unsupported head dim is a ValueError naming head_dim and the supported values, from
+    every entry point."""
+    q = torch.zeros(3, 8, 100, dtype=torch.float16, device=device)
+    k = torch.zeros(32, 2, 100, dtype=torch.float16, device=device)
+    meta = dict(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([3], dtype=torch.int32, device=device),
+                page_table=torch.zeros(1, 1, dtype=torch.int32, device=device), page_size=16, max_q_len=3)
+    calls = [lambda: _attn(device, head_dim=100),
+             lambda: evenkv.Attention(8, 2, 100, 16, torch.float16, device, 4, 8),
+             lambda: evenkv.extend(q, k, k, **meta),
+             lambda: evenkv.decode(q, k, k, meta["seq_lens"].expand(3), meta["page_table"].expand(3, 1), 16)]
+    for call in calls:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert "head_dim" in str(err.value) and SUPPORTED in str(err.value) and "100" in str(err.value)
+
+
+def test_messages_name_the_tensor(device):
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    with pytest.raises(TypeError, match=r"^q: expected dtype .*float16.*, got torch.float32"):
+        evenkv.decode(q.float(), kc, vc, lens, pt, 16)
+    meta = dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32, device=device), seq_lens=lens,
+                page_table=pt, page_size=16, max_q_len=1)
+    with pytest.raises(ValueError, match=r"^q: expected .*CUDA device.*, got meta"):
+        evenkv.extend(q.to("meta"), kc, vc, **meta)
+    with pytest.raises(ValueError, match=r"^q: expected .*CUDA device.*, got meta"):
+        evenkv.decode(q.to("meta"), kc, vc, lens, pt, 16)
+    new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match=r"^k_cache: expected .*CUDA device.*, got meta"):
+        evenkv.write_kv(kc.to("meta"), vc.to("meta"), new, new, torch.tensor([0, 1], device=device))
+
+
+def test_batch_size_mismatch_blames_seq_lens(device):
+    """B is the page table's row count; seq_lens (and cu_seqlens_q) must match it, and the
+    message names the mismatching argument and both shapes."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3, 9], 8, 2, 64, 16, torch.float16, device)
+    cu = torch.arange(4, dtype=torch.int32, device=device)
+    calls = [lambda: _attn(device).plan(lens[:2], pt),
+             lambda: evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8).plan(cu, lens[:2], pt,
+                                                                                     num_decodes=3, max_q_len=1),
+             lambda: evenkv.extend(q, kc, vc, cu_seqlens_q=cu, seq_lens=lens[:2], page_table=pt, page_size=16,
+                                   max_q_len=1),
+             lambda: evenkv.decode(q, kc, vc, lens[:2], pt, 16)]
+    for call in calls:
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert msg.startswith("seq_lens:") and "(2,)" in msg and str(tuple(pt.shape)) in msg, msg
+    with pytest.raises(ValueError) as err:
+        evenkv.extend(q, kc, vc, cu_seqlens_q=cu[:3], seq_lens=lens, page_table=pt, page_size=16, max_q_len=1)
+    msg = str(err.value)
+    assert msg.startswith("cu_seqlens_q: expected shape [4]") and "(3,)" in msg and str(tuple(pt.shape)) in msg, msg
+
+
+def test_plan_of_another_object_says_so(device):
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    attn = _attn(device)
+    plan = attn.plan(lens, pt)
+    with pytest.raises(ValueError, match="plan: .*another DecodeAttention"):
+        _attn(device).run(plan, q, kc, vc)
+    attn.plan(lens, pt)
+    with pytest.raises(ValueError, match="planned another batch since"):
+        attn.run(plan, q, kc, vc)
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    mixed = [evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8) for _ in range(2)]
+    plan = mixed[0].plan(cu, lens, pt, num_decodes=2, max_q_len=1)
+    with pytest.raises(ValueError, match="plan: .*another Attention"):
+        mixed[1].run(plan, q, kc, vc)
+    mixed[0].plan(cu, lens, pt, num_decodes=2, max_q_len=1)
+    with pytest.raises(ValueError, match="planned another batch since"):
+        mixed[0].run(plan, q, kc, vc)
+
+
+def test_4d_caches_are_one_rule(device):
+    """[num_pages, page_size, Hkv, D] caches: every entry point takes them where they view as
+    slots without a copy, and refuses a page size other than the object's."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    k4, v4 = kc.view(-1, 16, 2, 64), vc.view(-1, 16, 2, 64)
+    attn = _attn(device)
+    want = attn.run(attn.plan(lens, pt), q, kc, vc)
+    assert torch.equal(attn.run(attn.plan(lens, pt), q, k4, v4), want)
+    assert torch.equal(evenkv.decode(q, k4, v4, lens, pt, 16), evenkv.decode(q, kc, vc, lens, pt, 16))
+    new = torch.randn(2, 2, 64, device=device).half()
+    slots = torch.tensor([3, 17], device=device)
+    k3, v3 = kc.clone(), vc.clone()
+    evenkv.write_kv(k3, v3, new, new, slots)
+    evenkv.write_kv(k4, v4, new, new, slots)
+    assert torch.equal(kc, k3) and torch.equal(vc, v3)
+    plan = attn.plan(lens, pt)
+    with pytest.raises(ValueError, match=r"k_cache: expected \[num_pages, page_size=16, Hkv, D\]"):
+        attn.run(plan, q, kc.view(-1, 8, 2, 64), vc.view(-1, 8, 2, 64))
+    # Pages laid out [num_pages, Hkv, page_size, D] (HND): no slot view without a copy.
+    hnd = kc.view(-1, 2, 16, 64).transpose(1, 2)
+    with pytest.raises(ValueError, match="k_cache: .*views as \\[num_slots, Hkv, D\\]"):
+        attn.run(plan, q, hnd, hnd)
+    with pytest.raises(ValueError, match="k_cache: .*views as \\[num_slots, Hkv, D\\]"):
+        evenkv.write_kv(hnd, hnd, new, new, slots)

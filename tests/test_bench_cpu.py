@@ -1,12 +1,15 @@
 """CPU tests of the benchmark harnesses (no GPU): the length generator, the sweep and
-check-point selection, fp8 pools, windows and the bytes they read, the summary math on a
-synthetic CSV, argument parsing, the evenkv/peer adapters' naming and what each says it
-supports, each peer adapter's calls against a stand-in of its peer's API (written from the
-peer's documented semantics), the whole measurement loop with CUDA timing mocked (evenkv
-kernels under the interpreter), and ``python -m evenkv demo`` in interpreter mode.
+check-point selection, fp8 pools, windows and the bytes they read, verify rows (their
+batches, reference and check), the summary math on a synthetic CSV (verify and
+deterministic ratios included), argument parsing, the evenkv/peer adapters' naming and what
+each says it supports, each peer adapter's calls against a stand-in of its peer's API
+(written from the peer's documented semantics), the whole measurement loop with CUDA timing
+mocked (evenkv kernels under the interpreter), and ``python -m evenkv demo`` in interpreter
+mode.
 """
 
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -128,6 +131,59 @@ def test_batch_formats_agree():
         assert pool.batch(lens, 5).page_indices.tolist() == b.page_indices.tolist()  # same seed, same placement
 
 
+# ----------------------------------------------------------------------------- verify rows
+
+def test_verify_argument_lists_query_lengths():
+    assert di.resolve_args([]).q_lens == (1,)
+    assert di.resolve_args(["--verify", "0,3,5,7"]).q_lens == (1, 4, 6, 8)
+    assert di.resolve_args(["--verify", "7,0,7"]).q_lens == (1, 8)
+    assert di.resolve_args(["--verify", "15"]).q_lens == (16,)
+    for bad in ("16", "-1", "x", ",", "3,16"):
+        with pytest.raises(SystemExit):
+            di.resolve_args(["--verify", bad])
+
+
+def test_verify_batch_rows_over_the_same_placement():
+    """A verify batch has q_len query rows per request ([B * q_len, Hq, D] q and out, request
+    b's rows b * q_len ..) and cu_seqlens_q in steps of q_len, over the same page placement
+    as the plain batch of the same seed; its q_len cannot exceed the shortest request."""
+    shape, lens = di.Shape("t", 4, 2, 64), [37, 3, 16, 20]
+    pool = di.Pool(shape, sum(lens), 16, len(lens), torch.float16, torch.device("cpu"), 0)
+    plain, verify = pool.batch(lens, 5), pool.batch(lens, 5, 3)
+    assert plain.q.shape == plain.out.shape == (4, 4, 64) and plain.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert verify.q.shape == verify.out.shape == (12, 4, 64) and verify.q_len == 3
+    assert verify.cu_seqlens_q.tolist() == [0, 3, 6, 9, 12] and verify.cu_seqlens_q.dtype == torch.int32
+    assert verify.query_rows(2) == slice(6, 9) and plain.query_rows(2) == slice(2, 3)
+    assert torch.equal(verify.page_table, plain.page_table) and torch.equal(verify.seq_lens, plain.seq_lens)
+    assert torch.equal(verify.q[:4], plain.q)  # the same random stream, longer
+    verify.out.copy_(torch.arange(12.0)[:, None, None].expand(12, 4, 64))
+    outs = di.request_outputs(verify, [1, 3])
+    assert outs[1].shape == (3, 4, 64) and outs[1][:, 0, 0].tolist() == [3.0, 4.0, 5.0]
+    assert di.request_outputs(plain, [1])[1].shape == (4, 64)
+    with pytest.raises(ValueError, match="q_len: expected 1 to the shortest request's 3 tokens"):
+        pool.batch(lens, 5, 4)
+    assert di.point_q_lens(lens, (1, 3, 4, 8)) == [1, 3]
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_verify_reference_is_causal_among_the_new_tokens(window):
+    """Token t of a verify row sits at position n - q_len + t: its reference is the plain
+    decode of the request cut right after it (with the same window)."""
+    from evenkv.kernels.reference import decode_reference
+    shape, lens, q_len = di.Shape("t", 4, 2, 64), [50, 7, 30], 3
+    pool = di.Pool(shape, sum(lens), 16, len(lens), torch.float16, torch.device("cpu"), 4)
+    b = pool.batch(lens, 2, q_len)
+    refs = di.reference_rows(b, [0, 1, 2], shape, 0.125, 1 << 30, window=window)
+    for r, n in enumerate(lens):
+        assert refs[r].shape == (q_len, 4, 64)
+        for t in range(q_len):
+            want = decode_reference(b.q[r * q_len + t][None], b.k_slots, b.v_slots, torch.tensor([n - q_len + t + 1]),
+                                    b.page_table[r:r + 1], 16, 0.125, sliding_window=window or None)[0]
+            torch.testing.assert_close(refs[r][t], want, rtol=1e-5, atol=1e-6)
+    # the check tells the tokens apart: the last token's result is not the first's
+    assert (refs[0][0] - refs[0][-1]).abs().max() > 1e-2
+
+
 # ----------------------------------------------------------------------------- fp8 pools and windows
 
 def test_kv_read_bytes_counts_window_and_element_size():
@@ -135,6 +191,9 @@ def test_kv_read_bytes_counts_window_and_element_size():
     assert di.kv_read_bytes([10, 3], 2, 64, 1) == 13 * 2 * 64 * 2               # fp8: 1 byte
     assert di.kv_read_bytes([10, 3], 2, 64, 1, window=4) == (4 + 3) * 2 * 64 * 2  # min(len, W) tokens
     assert di.kv_read_bytes([10, 3], 2, 64, 2, window=100) == di.kv_read_bytes([10, 3], 2, 64, 2)
+    # verify rows read each token once; under a window, the union of their tokens' windows
+    assert di.kv_read_bytes([10, 3], 2, 64, 2, q_len=4) == di.kv_read_bytes([10, 3], 2, 64, 2)
+    assert di.kv_read_bytes([10, 3], 2, 64, 1, window=4, q_len=3) == (6 + 3) * 2 * 64 * 2
 
 
 def test_fp8_pool_holds_the_same_data_scaled():
@@ -290,6 +349,75 @@ def test_kv_dtype_and_window_rows_form_their_own_series(tmp_path):
     assert "## s kv=fp8, T = 1000, page size 16" in text and "## s window=24, T = 1000, page size 16" in text
 
 
+def _verify_rows():
+    """evenkv-balanced plain (q_len 1) and verify (q_len 4) rows, FA3's two variants at q_len 4,
+    one verify point with no plain row, and an fp8-cache verify row whose plain row is bf16's."""
+    ev, fa = ("evenkv-balanced", "evenkv"), "fa3"
+    return [
+        _row(*ev, 4, "Uniform", 10.0), _row(*ev, 4, "Uniform", 11.0, q_len=4),
+        _row("fa3-auto", fa, 4, "Uniform", 10.0, q_len=4), _row("fa3-ns1", fa, 4, "Uniform", 20.0, q_len=4),
+        _row(*ev, 4, "Skewed80", 10.0), _row(*ev, 4, "Skewed80", 12.0, q_len=4),
+        _row("fa3-auto", fa, 4, "Skewed80", 30.0, q_len=4), _row("fa3-ns1", fa, 4, "Skewed80", 15.0, q_len=4),
+        _row(*ev, 8, "Uniform", 5.0, q_len=4),
+        _row(*ev, 4, "Uniform", 6.0, q_len=4, dtype="bf16", kv_dtype="fp8"),
+    ]
+
+
+def test_verify_ratios_pair_each_verify_row_with_the_same_batch_plain_row(tmp_path):
+    _write_csv(tmp_path / "v.csv", _verify_rows())
+    rows = report.read_rows([str(tmp_path)])
+    assert {r["series"] for r in rows} == {"s", "s q_len=4", "s kv=fp8 q_len=4"}
+    got = {(d["point"], d["q_len"]): d for d in report.verify_ratios(rows)}
+    assert len(got) == 4  # the q_len 1 rows are no verify points
+    u, k = got[(("s", 1000, 16, 4, "Uniform"), 4)], got[(("s", 1000, 16, 4, "Skewed80"), 4)]
+    assert u["ratio_plain"] == pytest.approx(1.1) and k["ratio_plain"] == pytest.approx(1.2)
+    assert u["ratio_fa3_auto"] == pytest.approx(1.1) and u["fa3_best"] == "fa3-auto"
+    assert k["ratio_fa3_auto"] == pytest.approx(0.4)
+    assert k["fa3_best"] == "fa3-ns1" and k["ratio_fa3_best"] == pytest.approx(0.8)
+    alone = got[(("s", 1000, 16, 8, "Uniform"), 4)]
+    assert alone["ratio_plain"] is None and alone["ratio_fa3_best"] is None
+    assert got[(("s kv=fp8", 1000, 16, 4, "Uniform"), 4)]["ratio_plain"] is None  # never against bf16's plain row
+    assert report.verify_flatness(rows)[("s", 1000, 16, 4, 4)] == (pytest.approx(12 / 11), 2)
+    s = {x["group"]: x for x in report.verify_summary(rows)}[("s", 1000, 16, 4)]
+    assert s["points"] == 3 and s["plain_worst"] == pytest.approx(1.2)
+    assert s["plain_worst_at"] == ("s", 1000, 16, 4, "Skewed80") and (s["plain_over"], s["plain_n"]) == (1, 2)
+    assert s["fa3_best_worst"] == pytest.approx(1.1) and s["fa3_best_worst_impl"] == "fa3-auto"
+    assert (s["fa3_over"], s["fa3_n"]) == (1, 2)
+    assert s["flat_worst"] == pytest.approx(12 / 11) and s["flat_worst_b"] == 4
+    assert (s["flat_over"], s["flat_n"]) == (0, 1)
+    text = report.summary_markdown(rows)
+    assert "## Speculative verify: evenkv-balanced" in text
+    assert ("| s | 1000 | 16 | 4 | 3 | 1.20 (4 Skewed80) | 1/2 | 1.10 | 1.10 (4 Uniform, fa3-auto) | 1/2 "
+            "| 1.09 (4) | 0/1 |") in text
+    assert "| 4 | Skewed80 | 1.20 / 0.80 |" in text and "| 4 | flatness | 1.09 |" in text
+    assert "## Deterministic" not in text  # no evenkv-balanced-det rows
+
+
+def test_deterministic_ratios_over_balanced_and_fa3_one_split(tmp_path):
+    det, bal, ns1 = ("evenkv-balanced-det", "evenkv"), ("evenkv-balanced", "evenkv"), ("fa3-ns1", "fa3")
+    rows = [_row(*bal, 4, "Uniform", 10.0), _row(*det, 4, "Uniform", 10.5), _row(*ns1, 4, "Uniform", 12.0),
+            _row(*bal, 4, "Skewed80", 10.0), _row(*det, 4, "Skewed80", 12.0), _row(*ns1, 4, "Skewed80", 10.0),
+            _row(*det, 8, "Uniform", 3.0), _row(*bal, 8, "Uniform", 1.0, status="error")]
+    _write_csv(tmp_path / "d.csv", rows)
+    rows = report.read_rows([str(tmp_path)])
+    got = {d["point"][3:]: d for d in report.deterministic_ratios(rows)}
+    assert got[(4, "Uniform")]["ratio_balanced"] == pytest.approx(1.05)
+    assert got[(4, "Uniform")]["ratio_fa3_ns1"] == pytest.approx(10.5 / 12)
+    assert got[(4, "Skewed80")]["ratio_balanced"] == pytest.approx(1.2)
+    assert got[(8, "Uniform")]["ratio_balanced"] is None and got[(8, "Uniform")]["ratio_fa3_ns1"] is None
+    (s,) = report.deterministic_summary(rows)
+    assert s["group"] == ("s", 1000, 16) and s["points"] == 3
+    assert s["ratio_balanced_worst"] == pytest.approx(1.2) and s["ratio_balanced_worst_at"][3:] == (4, "Skewed80")
+    assert s["ratio_balanced_median"] == pytest.approx(1.125)
+    assert (s["ratio_balanced_over"], s["ratio_balanced_n"]) == (1, 2)
+    assert s["ratio_fa3_ns1_worst"] == pytest.approx(1.2) and (s["ratio_fa3_ns1_over"], s["ratio_fa3_ns1_n"]) == (1, 2)
+    text = report.summary_markdown(rows)
+    assert "## Deterministic: evenkv-balanced-det" in text
+    assert "| s | 1000 | 16 | 3 | 1.20 (4 Skewed80) / 1.12 | 1/2 |" in text
+    assert "| 4 | 1.05 / 0.88 | 1.20 / 1.20 |" in text and "| 8 | – / – | – |" in text
+    assert "## Speculative verify" not in text
+
+
 # ----------------------------------------------------------------------------- arguments
 
 def test_args_defaults_quick_and_overrides():
@@ -359,11 +487,38 @@ def test_what_each_adapter_says_it_supports():
     assert flashinfer_holistic.supports(ctx("--kv-dtype", "fp8", "--window", "64")) == \
         "no fp8 KV cache; no sliding window"
     assert sglang_triton.supports(ctx("--window", "64")) == "no sliding window"
+    verify = di.make_context(di.resolve_args(["--verify", "3"]), qwen, 16, cpu, max_q_len=4)
+    for peer in (fa3, load("vllm_triton"), flashinfer_holistic):  # verify rows as their engines run them
+        assert peer.supports(verify) == ""
+    for peer in (load("flashinfer"), flashinfer_xqa, sglang_triton):
+        assert peer.supports(verify) == "no verify rows"
+    assert sglang_triton.supports(dataclasses.replace(verify, window=64)) == "no sliding window; no verify rows"
     assert fi_jit.decode_spec(ctx("--kv-dtype", "fp8"), tensor_cores=True) == ("prefill", "bf16", "fp8", "128", "0")
     assert fi_jit.xqa_spec(ctx("--window", "64")) == ("xqa", "bf16", "bf16", "128", "16", "8", "1")
     assert fi_jit.holistic_spec(ctx())[0] == "holistic"
     # a module run, never the file: this folder's flashinfer.py would shadow FlashInfer
     assert fi_jit.command(("decode",))[1:] == ["-m", "benchmarks.peers.fi_jit", "decode"]
+
+
+def test_evenkv_verify_objects_build_in_the_background(monkeypatch):
+    """A verify object (max_q_len > 1) is built ahead in a background process that rebuilds it
+    from its spec; plain decode objects and CPU runs start nothing."""
+    started = []
+    monkeypatch.setattr(evenkv_impl, "start_background", lambda key, argv: started.append((key, argv)) or True)
+    args = di.resolve_args(["--verify", "0,3", "--kv-dtype", "fp8", "--window", "64"])
+    qwen = di.SHAPES["qwen3-30b-a3b"]
+    ctx = di.make_context(args, qwen, 16, torch.device("cuda"), max_batch=2048, max_q_len=4)
+    assert evenkv_impl.prebuild("balanced-det", ctx) == [
+        "evenkv balanced-det 32 4 128 16 bf16 fp8 64 4 2048"]
+    (key, argv), = started
+    assert argv[1:3] == ["-m", "benchmarks.peers.evenkv_impl"] and key == ("evenkv",) + tuple(argv[3:])
+    assert evenkv_impl.prebuild("balanced", dataclasses.replace(ctx, max_q_len=1)) == []
+    assert evenkv_impl.prebuild("balanced", dataclasses.replace(ctx, device=torch.device("cpu"))) == []
+    assert len(started) == 1
+    spec = evenkv_impl.build_spec("balanced-det", dataclasses.replace(ctx, shape=di.Shape("t", 4, 2, 64)))
+    attn = evenkv_impl.build(spec, device="cpu")
+    assert (attn.max_q_len, attn.deterministic, attn.page_size, attn.sliding_window) == (4, True, 16, 64)
+    assert attn.kv_dtype == torch.float8_e4m3fn and attn.max_batch_size == 2048 and attn.head_dim == 64
 
 
 def test_lean_kernel_comes_from_the_kit_folder(tmp_path, monkeypatch):
@@ -471,20 +626,92 @@ def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
     assert "reference check failed" in rows[0]["detail"]
 
 
+@pytest.mark.interpreter
+def test_verify_rows_in_the_measurement_loop(tmp_path, mocked_cuda, fake_peers):
+    """A --verify 0,2 run through the benchmark's own path: evenkv's balanced and deterministic
+    runners (interpreter) and FA3 (stand-in) run the plain and the verify rows of each point,
+    each checked against the reference at q_len 1 and 3; FlashInfer's decode wrapper, which
+    has no verify rows, runs the plain rows only and the summary says why."""
+    args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "4", "--dists", "Uniform,Skewed80", "--pages", "16",
+                            "--verify", "0,2", "--dtype", "bf16",
+                            "--impls", "evenkv-balanced,evenkv-balanced-det,fa3-auto,flashinfer-notc",
+                            "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1", "--flush-mib", "1",
+                            "--copy-mib", "1", "--check-rows", "4", "--out", str(tmp_path),
+                            "--tag", "v", "--no-plots"])
+    impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
+    assert [i.name for i in impls] == ["evenkv-balanced", "evenkv-balanced-det", "fa3-auto", "flashinfer-notc"]
+    assert impls[3].unsupported == {("tiny", 16, 3): "no verify rows"}
+    run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
+    rows = list(csv.DictReader(open(run_dir / "v.csv")))
+    every = ["evenkv-balanced", "evenkv-balanced-det", "fa3-auto"]
+    assert [(r["dist"], r["q_len"], r["name"]) for r in rows] == [
+        (d, q, n) for d in ("Uniform", "Skewed80") for q in ("1", "3")
+        for n in every + (["flashinfer-notc"] if q == "1" else [])]
+    assert all(r["status"] == "ok" for r in rows), [(r["name"], r["q_len"], r["status"], r["detail"]) for r in rows]
+    assert all(r["check_err"] and float(r["check_err"]) <= float(r["check_tol"]) for r in rows)
+    kv = {(r["dist"], r["q_len"]): r["kv_bytes"] for r in rows}
+    assert kv[("Skewed80", "1")] == kv[("Skewed80", "3")] == str(80 * 2 * 64 * 2 * 2)  # each KV byte once
+    summary = (run_dir / "summary.md").read_text()
+    assert "flashinfer-notc not run for tiny page 16 q_len 3: no verify rows" in summary
+    assert "## Speculative verify: evenkv-balanced" in summary and "## Deterministic: evenkv-balanced-det" in summary
+    assert "| tiny | 80 | 16 | 3 | 2 |" in summary
+
+
+def _non_causal_verify(ctx):
+    """A runner whose verify rows let every new token see all of its request's new tokens."""
+    from evenkv.kernels.reference import extend_reference
+
+    class NonCausal(Runner):
+        config = "non-causal"
+
+        def run(self):
+            b = self.batch
+            b.out.copy_(extend_reference(b.q, b.k_slots, b.v_slots, b.cu_seqlens_q, b.seq_lens, b.page_table,
+                                         b.page_size, sm_scale=ctx.sm_scale, causal=False))
+    return NonCausal()
+
+
+@pytest.mark.interpreter
+def test_verify_rows_that_ignore_causality_are_wrong(tmp_path, monkeypatch, mocked_cuda):
+    """Without causality among the new tokens, a verify row's earlier tokens see later ones: the
+    check reports that implementation wrong at q_len 3 (and does not time it there) while its
+    plain rows, where causal and non-causal agree, pass."""
+    fake = types.SimpleNamespace(FAMILY="noncausal", available=lambda: (True, ""), version=lambda: "0",
+                                 variants=lambda ctx: [("x", True)], make=lambda v, ctx: _non_causal_verify(ctx))
+    monkeypatch.setattr(di, "MODULES", ("noncausal",))
+    monkeypatch.setattr(di, "load", lambda m: fake)
+    args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "4", "--dists", "Uniform,Skewed80", "--pages", "1",
+                            "--verify", "0,2", "--dtype", "fp16", "--min-reps", "1", "--max-reps", "1",
+                            "--plan-reps", "1", "--flush-mib", "1", "--copy-mib", "1", "--out", str(tmp_path),
+                            "--tag", "n", "--no-plots"])
+    monkeypatch.setattr(report, "generate", lambda *a, **k: {"summary": "", "pngs": [], "headline": {}})
+    impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
+    run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
+    rows = list(csv.DictReader(open(run_dir / "n.csv")))
+    assert [(r["q_len"], r["status"]) for r in rows] == [("1", "ok"), ("3", "wrong")] * 2
+    assert "reference check failed at B=4 Uniform q_len=3" in rows[1]["detail"] and not rows[1]["us_med"]
+
+
 # ----------------------------------------------------------------------------- peers' APIs, stood in
 
-def _paged_decode(q, k_pages, v_pages, tables, lens, scale, v_scale=1.0, window=0):
-    """What every stand-in computes, from its peer's documented semantics: fp32 decode over
-    an NHD paged cache [pages, P, Hkv, D] read as stored; request b's pages ``tables[b]``;
-    scores x ``scale``, output x ``v_scale``; the last ``window`` keys (all when 0)."""
+def _paged_decode(q, k_pages, v_pages, tables, lens, scale, v_scale=1.0, window=0, cu_seqlens_q=None):
+    """What every stand-in computes, from its peer's documented semantics: fp32 attention over
+    an NHD paged cache [pages, P, Hkv, D] read as stored; request b's pages ``tables[b]`` and
+    query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (default: row b), its q_len tokens at the
+    end of its keys, each seeing the keys up to its own position (causal, bottom-right
+    aligned); scores x ``scale``, output x ``v_scale``; each token its last ``window`` keys
+    (all when 0)."""
     out = torch.empty(q.shape, dtype=torch.float32)
     page, g = k_pages.shape[1], q.shape[1] // k_pages.shape[2]
+    cu = list(range(len(lens) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
     for b, n in enumerate(lens):
-        tok = torch.arange(max(0, n - window) if window else 0, n)
-        pages = torch.as_tensor(tables[b])[tok // page].long()
-        k, v = (c[pages, tok % page].float().repeat_interleave(g, 1) for c in (k_pages, v_pages))
-        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v) * v_scale
+        for row in range(cu[b], cu[b + 1]):
+            pos = n - (cu[b + 1] - row)  # the last query row sits at n - 1
+            tok = torch.arange(max(0, pos + 1 - window) if window else 0, pos + 1)
+            pages = torch.as_tensor(tables[b])[tok // page].long()
+            k, v = (c[pages, tok % page].float().repeat_interleave(g, 1) for c in (k_pages, v_pages))
+            p = (torch.einsum("hd,nhd->hn", q[row].float(), k) * scale).softmax(-1)
+            out[row] = torch.einsum("hn,nhd->hd", p, v) * v_scale
     return out
 
 
@@ -524,12 +751,13 @@ class _BatchAttention:
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo, page_size, causal=False, sm_scale=None, logits_soft_cap=None, q_data_type=torch.bfloat16,
              kv_data_type=torch.bfloat16, use_profiler=False):
-        assert qo_indptr.tolist() == list(range(len(kv_len_arr) + 1)) and kv_len_arr.dtype == torch.int32
+        assert causal and qo_indptr.dtype == kv_len_arr.dtype == torch.int32
         self.tables, self.lens, self.sm_scale = _csr_tables(kv_indptr, kv_indices), kv_len_arr.tolist(), sm_scale
+        self.qo_indptr = qo_indptr.clone()
 
     def run(self, q, kv_cache, out=None, lse=None, k_scale=None, v_scale=None):
         assert lse is not None and lse.shape == q.shape[:2] and lse.dtype == torch.float32
-        out.copy_(_paged_decode(q, *kv_cache, self.tables, self.lens, self.sm_scale))
+        out.copy_(_paged_decode(q, *kv_cache, self.tables, self.lens, self.sm_scale, cu_seqlens_q=self.qo_indptr))
         return out, lse
 
 
@@ -549,17 +777,20 @@ def _fa3_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads
                   qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
                   cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
                   has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0):
-    return ("metadata", qkv_dtype, tuple(window_size), num_splits)
+    return ("metadata", qkv_dtype, tuple(window_size), num_splits, max_seqlen_q)
 
 
 def _fa3(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None, softmax_scale=None,
          causal=False, window_size=None, block_table=None, out=None, scheduler_metadata=None, q_descale=None,
          k_descale=None, v_descale=None, num_splits=0, fa_version=2):
     """vllm.vllm_flash_attn.flash_attn_varlen_func (vLLM 0.26), FA3: q, k, v of one dtype,
-    an fp8 one with [B, Hkv] descales and bf16 output; decode keys [len - 1 - left, len)."""
+    an fp8 one with [B, Hkv] descales and bf16 output; varlen query rows (cu_seqlens_q, at
+    most max_seqlen_q per request) at the end of each request's keys, causal; a query at
+    position p reads keys [p - left, p]."""
     assert fa_version == 3 and causal and q.dtype == k.dtype == v.dtype
     assert out.dtype == (torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
-    assert scheduler_metadata == ("metadata", q.dtype, tuple(window_size), num_splits)
+    assert scheduler_metadata == ("metadata", q.dtype, tuple(window_size), num_splits, max_seqlen_q)
+    assert max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     b, hkv = len(seqused_k), k.shape[2]
     scale = [1.0, 1.0, 1.0]
     for i, d in enumerate((q_descale, k_descale, v_descale)):
@@ -567,8 +798,27 @@ def _fa3(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, s
             assert d.shape == (b, hkv) and bool((d == d[0, 0]).all())
             scale[i] = float(d[0, 0])
     out.copy_(_paged_decode(q.float() * scale[0], k, v, block_table.tolist(), seqused_k.tolist(),
-                            softmax_scale * scale[1], scale[2], window_size[0] + 1))
+                            softmax_scale * scale[1], scale[2], window_size[0] + 1, cu_seqlens_q))
     return out
+
+
+def _unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+                       window_size, block_table, softcap, q_descale, k_descale, v_descale, seq_threshold_3D=None,
+                       num_par_softmax_segments=None, softmax_segm_output=None, softmax_segm_max=None,
+                       softmax_segm_expsum=None):
+    """vllm.v1.attention.ops.triton_unified_attention.unified_attention (vLLM 0.26): varlen
+    query rows at the end of each request's keys, causal; k/v descales [B, Hkv]; the 3D
+    (split) kernel only for max_seqlen_q 1 and at most seq_threshold_3D requests, into
+    segment buffers [threshold, Hq, segments, D padded]."""
+    assert causal and window_size == (-1, -1) and softcap == 0 and q_descale is None
+    b = len(seqused_k)
+    assert k_descale.shape == v_descale.shape == (b, k.shape[2]) and bool((k_descale == 1).all())
+    assert max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    assert max_seqlen_k == max(seqused_k.tolist())
+    if max_seqlen_q == 1 and b <= seq_threshold_3D:
+        assert softmax_segm_output.shape[:3] == (seq_threshold_3D, q.shape[1], num_par_softmax_segments)
+    out.copy_(_paged_decode(q, k, v, block_table.tolist(), seqused_k.tolist(), softmax_scale,
+                            cu_seqlens_q=cu_seqlens_q))
 
 
 @pytest.fixture
@@ -581,34 +831,41 @@ def fake_peers(monkeypatch):
     fi.decode.trtllm_batch_decode_with_kv_cache = _trtllm_decode
     vllm, vfa = types.ModuleType("vllm"), types.ModuleType("vllm.vllm_flash_attn")
     vfa.flash_attn_varlen_func, vfa.get_scheduler_metadata = _fa3, _fa3_metadata
+    unified = types.ModuleType(load("vllm_triton").MODULE)
+    unified.unified_attention = _unified_attention
     for name, mod in (("flashinfer", fi), ("flashinfer.decode", fi.decode), ("vllm", vllm),
-                      ("vllm.vllm_flash_attn", vfa)):
+                      ("vllm.vllm_flash_attn", vfa), (unified.__name__, unified)):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(load("flashinfer"), "WORKSPACE_BYTES", 1 << 10)
     monkeypatch.setattr(flashinfer_xqa, "WORKSPACE_BYTES", 1 << 10)
 
 
-PEER_CASES = [("flashinfer", "notc", "auto", 0), ("flashinfer", "tc", "fp8", 0), ("flashinfer", "notc", "auto", 24),
-              ("flashinfer_holistic", "default", "auto", 0), ("flashinfer_xqa", "default", "auto", 0),
-              ("flashinfer_xqa", "default", "fp8", 0), ("flashinfer_xqa", "default", "auto", 24),
-              ("fa3", "auto", "auto", 0), ("fa3", "auto", "fp8", 0), ("fa3", "ns1", "auto", 24)]
+PEER_CASES = [("flashinfer", "notc", "auto", 0, 1), ("flashinfer", "tc", "fp8", 0, 1),
+              ("flashinfer", "notc", "auto", 24, 1), ("flashinfer_holistic", "default", "auto", 0, 1),
+              ("flashinfer_holistic", "default", "auto", 0, 4), ("flashinfer_xqa", "default", "auto", 0, 1),
+              ("flashinfer_xqa", "default", "fp8", 0, 1), ("flashinfer_xqa", "default", "auto", 24, 1),
+              ("fa3", "auto", "auto", 0, 1), ("fa3", "auto", "fp8", 0, 1), ("fa3", "ns1", "auto", 24, 1),
+              ("fa3", "auto", "auto", 0, 4), ("fa3", "ns1", "fp8", 0, 3), ("fa3", "auto", "auto", 24, 5),
+              ("vllm_triton", "default", "auto", 0, 1), ("vllm_triton", "default", "auto", 0, 4)]
 
 
-@pytest.mark.parametrize("module,variant,kv,window", PEER_CASES)
-def test_peer_adapters_call_the_peer_api_as_documented(module, variant, kv, window, fake_peers):
+@pytest.mark.parametrize("module,variant,kv,window,q_len", PEER_CASES)
+def test_peer_adapters_call_the_peer_api_as_documented(module, variant, kv, window, q_len, fake_peers):
     """Each adapter, driven as the benchmark drives it, through a stand-in of its peer's API:
     the output equals the fp32 reference, so index formats, scales (fp8: K and V scaled
-    differently) and the window reach the peer as its API defines them."""
+    differently), the window and verify rows (q_len query tokens per request, causal among
+    them) reach the peer as its API defines them."""
     cpu, shape, lens = torch.device("cpu"), di.Shape("t", 8, 2, 64), [70, 5, 33]
-    args = di.resolve_args(["--kv-dtype", kv, "--window", str(window)])
-    ctx = di.make_context(args, shape, 16, cpu, max_batch=len(lens), max_pages=8)
+    args = di.resolve_args(["--kv-dtype", kv, "--window", str(window), "--verify", str(q_len - 1)])
+    ctx = di.make_context(args, shape, 16, cpu, max_batch=len(lens), max_pages=8, max_q_len=q_len)
     assert getattr(load(module), "supports", lambda c: "")(ctx) == ""
-    batch = di.Pool(shape, sum(lens), 16, len(lens), torch.bfloat16, cpu, 0, ctx.kv_dtype).batch(lens, 1)
+    batch = di.Pool(shape, sum(lens), 16, len(lens), torch.bfloat16, cpu, 0, ctx.kv_dtype).batch(lens, 1, q_len)
     runner = load(module).make(variant, ctx)
     di.run_once(runner, batch)
     refs = di.reference_rows(batch, range(len(lens)), shape, ctx.sm_scale, 1 << 30, window=window)
-    ok, err, tol = di.compare_rows(batch.out, refs, torch.float8_e4m3fn if ctx.kv_fp8 else torch.bfloat16)
+    ok, err, tol = di.compare_rows(di.request_outputs(batch, refs), refs,
+                                   torch.float8_e4m3fn if ctx.kv_fp8 else torch.bfloat16)
     assert ok, f"rel err {err:.3g} > tol {tol:.3g}"
     assert runner.describe()
 
@@ -680,6 +937,26 @@ def test_python_m_evenkv_info():
     p = subprocess.run([sys.executable, "-m", "evenkv", "info"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "config table sm" in p.stdout and "head_dim 128 page 16: decode sm" in p.stdout
+
+
+
+def test_python_m_evenkv_without_a_command_prints_usage(capsys):
+    from evenkv import cli
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: evenkv") and "demo" in err and "info" in err
+
+
+@pytest.mark.parametrize("name", ["decode_imbalance", "prefill", "read_floor", "report", "serving", "tune_decode"])
+def test_benchmark_usage_lines_name_the_real_command(name, monkeypatch, capsys):
+    """Each benchmark's --help shows the command that runs it from the checkout."""
+    import importlib
+    module = importlib.import_module(f"benchmarks.{name}")
+    monkeypatch.setattr(sys, "argv", [f"/somewhere/benchmarks/{name}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{name} ")
 
 
 # ----------------------------------------------------------------------------- the other benchmark tools

@@ -207,7 +207,7 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     at head_dim 256, 8 chunks, 56 items over 23 programs). G = 7 and head_dim 80 mask rows
     and columns. A second run of the same plan must give the same bytes: the last arrivals
     reset their counters, so the next launch (a graph replay) starts from zero."""
-    from evenkv.kernels.decode_launch import merge_stream_constants
+    from evenkv.kernels.decode_launch import QueryRows, merge_stream_constants
     dtype = torch.float16
     lens = [3000, 5, 33, 0, 70]
     hq = 7 * num_kv_heads
@@ -217,7 +217,7 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     # Head 0 of request 0 spans cost [0, n).
     piece, n = int(plan.schedule.plan_scalars[0]), -(-3000 // attn.config.block_n)
     long_pieces = (n - 1) // piece + 1
-    consts = merge_stream_constants(num_kv_heads, 7, head_dim, attn.config, False)
+    consts = merge_stream_constants(num_kv_heads, 7, head_dim, attn.config, False, QueryRows(1, 7))
     assert _stream_merge_path(long_pieces, consts) == path, (long_pieces, piece)
     first = attn.run(plan, q, k_cache, v_cache)
     assert_close_to_reference(first, q, k_cache, v_cache, seq_lens, page_table, 16)
@@ -262,6 +262,24 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
         _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group)
 
 
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8), (256, 2, 8)],
+                         ids=["gpt-oss", "qwen3", "qwen3-next"])
+def test_verify_rows_compile(head_dim, num_kv_heads, group):
+    """Each sm90 verify row (16 to 128 tile rows: G = 8 query heads x 2 to 16 tokens), with tree
+    masks and with every layer term, fits its resident CTAs per SM with no local memory in the
+    tile loop, and its merge kernels spill nothing."""
+    from evenkv.configs import decode_config, max_tile_rows
+    from evenkv.kernels.decode_launch import QueryRows, tile_rows
+    for q_len in (2, 4, 8, 16):
+        rows = tile_rows(group, q_len)
+        if rows > max_tile_rows("sm90", head_dim):
+            continue
+        cfg = decode_config("sm90", head_dim, 16, rows=rows)
+        for tree, terms in ((False, False), (True, False), (False, True)):
+            _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=terms,
+                                query=QueryRows(q_len, group * q_len, tree))
+
+
 @pytest.mark.parametrize("head_dim,num_kv_heads,group,ctas,min_page", [(64, 8, 4, 8, 1), (128, 4, 8, 5, 16)],
                          ids=["d64", "d128"])
 def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_page):
@@ -291,9 +309,12 @@ def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_f
         _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8)
 
 
-def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False):
-    from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, merge_stream_constants, merge_units_constants,
-                                              stream_constants)
+def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None):
+    """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
+    resident CTAs per SM with no local memory in its tile loop, and the merge kernels spill nothing."""
+    from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, QueryRows, merge_stream_constants,
+                                              merge_units_constants, stream_constants)
+    query = query or QueryRows(1, group)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
@@ -302,9 +323,10 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
         dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr"])
     common = dict(cache, fp32_ptrs=["o_part_ptr", "lse_part_ptr"], fp32=["qk_scale", "cap_scale", "v_scale"],
                   unaligned=["stride_pt", "window", "batch_size"])
-    stream_consts = dict(stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch), **terms)
+    stream_consts = dict(stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch, query),
+                         **terms)
     variants = [dict(cap=cap, consts=stream_consts, options=options)]
-    starved_check = cfg.max_registers is not None and head_dim == 128 and not layer_terms
+    starved_check = cfg.max_registers is not None and head_dim == 128 and not layer_terms and not query.multi_q
     if starved_check:
         variants.append(dict(cap=cap, consts=stream_consts, options=dict(options, maxnreg=80)))
     stream, *starved = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
@@ -320,8 +342,8 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
     merge_options = dict(num_warps=MERGE_NUM_WARPS)
     for name, consts in [
             ("merge_stream_kernel",
-             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, layer_terms)),
-            ("merge_units_kernel", dict(merge_units_constants(group, head_dim), NUM_KV_HEADS=num_kv_heads,
+             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, query, layer_terms)),
+            ("merge_units_kernel", dict(merge_units_constants(num_kv_heads, group, head_dim, query),
                                         HAS_SINKS=layer_terms))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))

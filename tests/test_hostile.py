@@ -86,7 +86,9 @@ def _extend_batch(device, new_layout):
 @pytest.mark.parametrize("new_layout", [False, True])
 def test_extend_hostile_metadata(device, new_layout):
     """A bad page id, a seq_len below q_len, a query range past q and one longer than
-    max_q_len: the other request is right, nothing outside q or the caches is touched."""
+    max_q_len: nothing outside q or the caches is touched, the bad page's tokens are left
+    out of their request's attention, a seq_len below q_len is read as q_len, and the other
+    request is right."""
     b = _extend_batch(device, new_layout)
     kw = dict(page_size=PAGE, k_new=b["kn"], v_new=b["vn"])
     want = extend_reference(b["q"], b["k"], b["v"], b["cu"], b["seq"], b["pt"], PAGE, k_new=b["kn"], v_new=b["vn"])
@@ -96,9 +98,13 @@ def test_extend_hostile_metadata(device, new_layout):
     out = torch.full_like(b["q"], float("nan"))
     evenkv.extend(b["q"], b["k"], b["v"], cu_seqlens_q=cu, seq_lens=seq, page_table=pt, max_q_len=9, out=out, **kw)
     torch.testing.assert_close(out[5:14].float(), want[5:14], atol=2e-2, rtol=0)
-    assert torch.isfinite(out[:5]).all() and torch.isfinite(out[14:]).all()
+    # The oracle leaves tokens on pages outside the cache out, as the kernels do.
+    raised = torch.maximum(seq, cu[1:] - cu[:-1])
+    left_out = extend_reference(b["q"], b["k"], b["v"], cu, raised, pt, PAGE, k_new=b["kn"], v_new=b["vn"])
+    torch.testing.assert_close(out[:5].float(), left_out[:5], atol=2e-2, rtol=0)
+    torch.testing.assert_close(out[14:].float(), left_out[14:], atol=2e-2, rtol=0)
     assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE],
-                                errors.REASONS[errors.LENGTH_OUT_OF_RANGE]}
+                                errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN]}
     errors.error_flag(device).zero_()
     cu = b["cu"].clone()
     cu[3] = 10**6           # request 2's rows run past q
@@ -107,6 +113,48 @@ def test_extend_hostile_metadata(device, new_layout):
                   out=out, **kw)
     torch.testing.assert_close(out[:14].float(), want[:14], atol=2e-2, rtol=0)
     assert errors.REASONS[errors.QUERY_OUT_OF_RANGE] in _flagged(device)
+
+
+@pytest.mark.parametrize("new_layout", [False, True])
+def test_extend_bad_page_in_a_tile_seen_in_full(device, new_layout):
+    """16 x 16 tiles put the bad page (request 0's tokens 16..31) in a tile all its queries see
+    in full, the kernel's unmasked loop: its tokens are left out there too."""
+    b = _extend_batch(device, new_layout)
+    pt = b["pt"].clone()
+    pt[0, 1] = 10**7
+    small = evenkv.ExtendConfig("test-m16-n16", block_m=16, block_n=16, num_warps=4, num_stages=2)
+    out = evenkv.extend(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"], seq_lens=b["seq"], page_table=pt,
+                        page_size=PAGE, max_q_len=9, k_new=b["kn"], v_new=b["vn"], config=small)
+    want = extend_reference(b["q"], b["k"], b["v"], b["cu"], b["seq"], pt, PAGE, k_new=b["kn"], v_new=b["vn"])
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
+    assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE]}
+
+
+def test_extend_length_reasons_say_what_happened(device):
+    """seq_len 3 < q_len 5 has its own reason; a length past the page table keeps the other."""
+    b = _extend_batch(device, False)
+    kw = dict(cu_seqlens_q=b["cu"], page_table=b["pt"], page_size=PAGE, max_q_len=9)
+    evenkv.extend(b["q"], b["k"], b["v"], seq_lens=torch.tensor([3, 9, 20], dtype=torch.int32, device=device), **kw)
+    assert _flagged(device) == {errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN]}
+    assert "q_len" in errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN]
+    errors.error_flag(device).zero_()
+    evenkv.extend(b["q"], b["k"], b["v"], seq_lens=torch.tensor([45, 9, 10**6], dtype=torch.int32, device=device),
+                  **kw)
+    flagged = _flagged(device)  # (the page bit too: clamped to the table, request 2 reaches its garbage tail)
+    assert errors.REASONS[errors.LENGTH_OUT_OF_RANGE] in flagged
+    assert errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN] not in flagged
+
+
+def test_reference_leaves_out_tokens_on_bad_pages(device):
+    """The oracle's rule for a page id outside the cache, against attention over the kept keys."""
+    from evenkv.kernels.reference import attention_reference, gather_request_kv
+    q, k, v, lens, pt = make_paged_batch([40], HQ, HKV, D, PAGE, torch.float32, device, garbage_tail=False)
+    bad = pt.clone()
+    bad[0, 1] = k.shape[0] // PAGE  # one past the last page: tokens 16..31
+    keep = torch.cat([torch.arange(16), torch.arange(32, 40)]).to(device)
+    kk, vv = (gather_request_kv(c, pt[0], 40, PAGE)[keep] for c in (k, v))
+    want, _ = attention_reference(q[0], kk, vv, D ** -0.5)
+    torch.testing.assert_close(decode_reference(q, k, v, lens, bad, PAGE)[0], want)
 
 
 def test_attention_audits_once_per_plan(device):

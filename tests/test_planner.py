@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, merge_stream_constants
-from planner_oracle import (chunked_plan, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
+from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants
+from planner_oracle import (chunks, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
                             stream_merge_shares, stream_plan)
 
 BLOCK_N = evenkv.decode_config("sm90", 128, 16).block_n
@@ -18,26 +18,58 @@ BLOCK_N = evenkv.decode_config("sm90", 128, 16).block_n
 MERGE_SHAPES = [(8, 128), (7, 80), (2, 256), (1, 32), (16, 128)]
 
 
-def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64):
+def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_pages=64, max_q_len=1, window=None,
+          deterministic=False, max_total_tokens=1 << 21):
     return evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, page_size, torch.float16, device,
-                                  max_batch, max_pages, policy, num_ctas=num_ctas)
+                                  max_batch, max_pages, policy, num_ctas=num_ctas, max_q_len=max_q_len,
+                                  sliding_window=window, deterministic=deterministic,
+                                  max_total_tokens=max_total_tokens)
 
 
-def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16):
-    attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages)
+def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16, cu=None, q_len=1, window=None,
+                  deterministic=False, max_total_tokens=1 << 21):
+    """The balanced plan of ``lens`` (verify rows of up to q_len tokens where cu is given; the
+    deterministic chunked plan) equals the oracle's, field by field."""
+    attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages,
+                 max_q_len=q_len, window=window, deterministic=deterministic, max_total_tokens=max_total_tokens)
     seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     page_table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=device)
-    plan = attn.plan(seq_lens, page_table)
-    cfg = attn.config
-    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
+    errors = evenkv.errors.error_flag(device)
+    errors.zero_()
+    plan = attn.plan(seq_lens, page_table, cu_seqlens_q=cu_t, q_len=q_len)
+    cfg = plan.config
+    chunking = attn._chunking(cfg) if deterministic else None
+    want = stream_plan(lens, max_pages * page_size, num_ctas, num_kv_heads, cfg.block_n, cu, q_len, window or 0,
+                       chunking)
     s = plan.schedule
     np.testing.assert_array_equal(plan.seq_lens.cpu().numpy(), want["seq_lens"])
     active = s.active_req[:len(want["active_req"])].cpu().numpy()
     np.testing.assert_array_equal(active[:, 0], want["active_req"])
     np.testing.assert_array_equal(active[:, 1], want["seq_lens"][want["active_req"]])
-    np.testing.assert_array_equal(s.cta_start.cpu().numpy(), want["cta_start"])
-    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"]]
+    np.testing.assert_array_equal(active[:, 2], want["q_start"][want["active_req"]])
+    np.testing.assert_array_equal(active[:, 3], want["q_len"][want["active_req"]])
+    np.testing.assert_array_equal(s.cta_start[:num_ctas].cpu().numpy(), want["cta_start"])
+    np.testing.assert_array_equal(s.cta_pos[:num_ctas + 1].cpu().numpy(), want["cta_pos"])
+    assert s.plan_scalars.cpu().tolist() == [want["piece"], want["total"], len(want["active_req"]), want["max_tiles"],
+                                             want["rows_end"]]
+    if deterministic:
+        np.testing.assert_array_equal(active[:, 4], want["chunk"][want["active_req"]])
+        np.testing.assert_array_equal(active[:, 5], want["chunk_base"][want["active_req"]])
+        np.testing.assert_array_equal(s.req_chunks[:len(lens)].cpu().numpy(), want["chunks"])
+        np.testing.assert_array_equal(s.req_chunk_base[:len(lens)].cpu().numpy(), want["chunk_base"])
+        count = int(s.merge_count)
+        np.testing.assert_array_equal(s.merge_list[:count].cpu().numpy(), want["merge_list"])
+        assert (evenkv.errors.INVARIANCE_LOST in _flag_bits(device)) == want["overflow"]
+    malformed = bool(want["malformed"].any())
+    assert (evenkv.errors.QUERY_OUT_OF_RANGE in _flag_bits(device)) == malformed
+    errors.zero_()
     return want, cfg
+
+
+def _flag_bits(device) -> set:
+    bits = int(evenkv.errors.error_flag(device).item())
+    return {bit for bit in evenkv.errors.REASONS if bits & bit}
 
 
 def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
@@ -48,14 +80,20 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         for b, h, t0, t1 in mine:
             for t in range(t0, t1):
                 covered[(b, h, t)] = covered.get((b, h, t), 0) + 1
-    expected = {(b, h, t) for b, n in enumerate(want["seq_lens"]) for h in range(num_kv_heads)
-                for t in range(-(-int(n) // cfg.block_n))}
+    expected = {(b, h, t) for b, n in enumerate(want["tiles"].tolist()) for h in range(num_kv_heads)
+                for t in range(n)}
     assert set(covered) == expected and all(v == 1 for v in covered.values())
-    # Equal pieces: CTA c walks exactly `piece` tiles (the tail CTAs fewer).
+    # Equal pieces: CTA c walks exactly `piece` tiles (the tail CTAs fewer); a chunked plan
+    # moves each start up to a chunk boundary, by less than the chunk it falls in.
     piece = want["piece"]
     for c, mine in enumerate(pieces):
         tiles = sum(t1 - t0 for _, _, t0, t1 in mine)
-        assert tiles == max(min(piece, want["total"] - c * piece), 0)
+        if want["chunked"]:
+            pos = want["cta_pos"]
+            assert tiles == pos[c + 1] - pos[c] and 0 <= pos[c] - min(c * piece, want["total"]) < max(
+                want["chunk"].max(initial=1), 1)
+        else:
+            assert tiles == max(min(piece, want["total"] - c * piece), 0)
     # The merges read exactly the partial slots that were written, and nothing else.
     written = {}
     for kind, b, h, slot in writes:
@@ -64,29 +102,35 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
     reads = stream_merge_reads(want, num_kv_heads, cfg.block_n)
     assert {k: sorted(v) for k, v in written.items()} == {k: sorted(v) for k, v in reads.items()}
     slots = [s for v in written.values() for s in v]
+    outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
+    assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
+    assert set(outs) | set(reads) == {(b, h) for b, n in enumerate(want["tiles"].tolist()) if n > 0
+                                      for h in range(num_kv_heads)}
+    if want["chunked"]:
+        # One slot per chunk of each segment of several, inside the workspace.
+        assert len(slots) == len(set(slots)) and all(0 <= s < int(want["chunks"].sum()) * num_kv_heads for s in slots)
+        return
     assert len(slots) == len(set(slots)) and all(0 <= s < 2 * num_ctas for s in slots)
     # Every cut segment is merged exactly once: by the decode kernel (at most
     # FUSED_MERGE_PIECES pieces, one arrival counter each, inside [0, C)) or by the
     # boundary-indexed programs of merge_stream_kernel inside it (the rest), whose shares
-    # cover each of its G rows and head-dim columns once, for each step shape.
+    # cover each of its rows (G per query token) and head-dim columns once, for each step shape.
+    max_q_len = int(want["q_len"].max(initial=1))
     for fused_pieces in (FUSED_MERGE_PIECES, 2, 0):
         fused = stream_fused_merges(reads, fused_pieces)
         counters = list(fused.values())
         assert len(counters) == len(set(counters)) and all(0 <= c < num_ctas for c in counters)
         for group, head_dim in MERGE_SHAPES:
-            consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False)
+            query = QueryRows(max_q_len if want["multi_q"] else 1, group * max_q_len)
+            consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False, query)
             shares = stream_merge_shares(want, num_ctas, num_kv_heads, cfg.block_n, fused_pieces, consts)
             assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
-            for key, parts in shares.items():
-                cover = np.zeros((group, head_dim), dtype=np.int64)
+            for (b, h), parts in shares.items():
+                rows = group * int(want["q_len"][b]) if want["multi_q"] else group
+                cover = np.zeros((rows, head_dim), dtype=np.int64)
                 for _, row, col0, col1 in parts:
                     cover[row, col0:col1] += 1
-                assert (cover == 1).all(), (key, fused_pieces, group, head_dim, len(reads[key]))
-    # Segments written whole + segments merged = every non-empty segment, each once.
-    outs = [(b, h) for kind, b, h, _ in writes if kind == "out"]
-    assert len(outs) == len(set(outs)) and not set(outs) & set(reads)
-    assert set(outs) | set(reads) == {(b, h) for b, n in enumerate(want["seq_lens"]) if n > 0
-                                      for h in range(num_kv_heads)}
+                assert (cover == 1).all(), ((b, h), fused_pieces, group, head_dim, len(reads[(b, h)]))
 
 
 @pytest.mark.parametrize("lens,num_kv_heads,num_ctas", [
@@ -137,17 +181,54 @@ def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas):
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
 
 
-def _check_fa3(device, lens, num_kv_heads, deterministic=False):
+# Verify rows: query lengths 0-16 (0: no query; past q_len: malformed, clamped and flagged)
+# over lengths that include 0 (padding rows keep their q rows) and short requests (q_len >
+# seq_len: clamped and flagged), with and without a window.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 300), st.integers(1000, 1100)),
+                               st.integers(0, 9)), min_size=1, max_size=30),
+       num_kv_heads=st.sampled_from([1, 2, 4]), num_ctas=st.integers(1, 200), q_len=st.sampled_from([2, 4, 8]),
+       window=st.sampled_from([None, 1, 40]), shift=st.sampled_from([0, -3]))
+def test_verify_plan_properties(device, rows, num_kv_heads, num_ctas, q_len, window, shift):
+    lens = [n for n, _ in rows]
+    cu = np.concatenate([[0], np.cumsum([k for _, k in rows])]).tolist()
+    cu[0] += shift  # a first row starting before q row 0
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas, cu=cu, q_len=q_len, window=window)
+    _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+def test_verify_plan_worked_example():
+    """Rows of 3, 1, 0 and 2 query tokens over 100, 20, 50 and 0 keys (a padding row keeps its
+    2 rows, which get zeros): the 50-key request has no query and costs nothing."""
+    want = stream_plan([100, 20, 50, 0], 1024, 4, 1, 16, cu_seqlens_q=[0, 3, 4, 4, 6], max_q_len=4)
+    assert want["q_start"].tolist() == [0, 3, 4, 4] and want["q_len"].tolist() == [3, 1, 0, 2]
+    assert want["tiles"].tolist() == [7, 2, 0, 0] and want["active_req"].tolist() == [0, 1]
+    assert want["rows_end"] == 6 and not want["malformed"].any()
+    under_window = stream_plan([100], 1024, 4, 1, 16, cu_seqlens_q=[0, 4], max_q_len=4, window=10)
+    assert under_window["tiles"].tolist() == [1]  # the last 10 + 4 - 1 = 13 keys
+
+
+def test_plain_decode_rows_of_several_tokens_are_flagged(device):
+    """A plain decode plan whose cu_seqlens_q gives a row more than one token (num_decodes
+    that does not match the batch) runs nothing else and flags it."""
+    want, _ = _check_stream(device, [30, 5, 7], 1, 4, cu=None)
+    assert not want["malformed"].any()
+    attn = _attn(device, "balanced", 1, 3, 4)
+    evenkv.errors.error_flag(device).zero_()
+    attn.plan(torch.tensor([30, 5, 7], device=device), torch.zeros(3, 64, dtype=torch.int32, device=device),
+              cu_seqlens_q=torch.tensor([0, 1, 2, 7], dtype=torch.int32, device=device))
+    assert _flag_bits(device) == {evenkv.errors.QUERY_OUT_OF_RANGE}
+    evenkv.errors.error_flag(device).zero_()
+
+
+def _check_fa3(device, lens, num_kv_heads):
     attn = evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, 16, torch.float16, device, max(len(lens), 1),
-                                  64, "balanced" if deterministic else "fa3", num_ctas=8, deterministic=deterministic)
+                                  64, "fa3", num_ctas=8)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     page_table = torch.zeros(len(lens), 64, dtype=torch.int32, device=device)
     plan = attn.plan(seq_lens, page_table)
     s = plan.schedule
-    if deterministic:
-        want = chunked_plan(lens, 64 * 16, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
-    else:
-        want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
+    want = fa3_plan(lens, 64 * 16, attn.num_sms, num_kv_heads, attn.config.block_n, s.unit_req.shape[0])
     b = len(lens)
     np.testing.assert_array_equal(s.req_splits[:b].cpu().numpy(), want["req_splits"])
     np.testing.assert_array_equal(s.req_tiles_per_split[:b].cpu().numpy(), want["req_tiles_per_split"])
@@ -172,38 +253,41 @@ def test_fa3_worked_example():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]), deterministic=st.booleans())
-def test_unit_plan_properties(device, lens, num_kv_heads, deterministic):
-    """fa3 and deterministic unit plans equal the oracle; units cover each request's tiles."""
-    _check_fa3(device, lens, num_kv_heads, deterministic)
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 4, 8]))
+def test_fa3_plan_properties(device, lens, num_kv_heads):
+    """fa3 unit plans equal the oracle; units cover each request's tiles."""
+    _check_fa3(device, lens, num_kv_heads)
 
 
-def test_deterministic_splits_depend_on_own_length_only():
-    """The worked example of schedule.plan_chunked_units, and the same splits in other batches."""
-    a = chunked_plan([100 * 64, 3, 0, 8192 * 64], 10**7, 4, 64)
-    b = chunked_plan([1, 100 * 64, 1, 1, 1, 8192 * 64, 9999], 10**7, 4, 64)
-    assert a["req_splits"][[0, 3]].tolist() == b["req_splits"][[1, 5]].tolist() == [13, 128]
-    assert a["req_tiles_per_split"][[0, 3]].tolist() == b["req_tiles_per_split"][[1, 5]].tolist() == [8, 64]
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 2, 4]), num_ctas=st.integers(1, 300),
+       max_total_tokens=st.sampled_from([1 << 21, 2048]))
+def test_deterministic_plan_properties(device, lens, num_kv_heads, num_ctas, max_total_tokens):
+    """The deterministic plan equals the oracle (chunks of the request's own length, CTA starts
+    on chunk boundaries; larger chunks and the INVARIANCE_LOST flag when a batch overflows the
+    workspace); every tile is walked once, no CTA cuts a chunk, every chunk of a segment of
+    several has its own slot, which the merge reads."""
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas, deterministic=True,
+                              max_total_tokens=max_total_tokens)
+    _stream_invariants(want, cfg, num_kv_heads, num_ctas)
+
+
+def test_deterministic_chunks_depend_on_own_length_only():
+    """The worked example of kernels.plan.chunk_tiles, and the same chunks in other batches."""
+    a = chunks([100, 3, 0, 8192], 8, 128, 10**7)
+    b = chunks([1, 100, 1, 1, 1, 8192, 9999], 8, 128, 10**7)
+    assert a[0][[0, 3]].tolist() == b[0][[1, 5]].tolist() == [8, 64]
+    assert a[1][[0, 3]].tolist() == b[1][[1, 5]].tolist() == [13, 128]
+    assert a[1][2] == 0 and not a[3]
 
 
 def test_deterministic_workspace_overflow_is_flagged(device):
     """A batch of more tokens than max_total_tokens (only possible with shared prefix pages)
-    takes larger chunks to fit the workspace, still covers every tile, and says it is no
+    takes larger chunks to fit the workspace, still walks every tile, and says it is no
     longer invariant; the plan equals the oracle's."""
-    from evenkv import errors
-
-    errors.error_flag(device).zero_()
-    attn = evenkv.DecodeAttention(8, 4, 128, 16, torch.float16, device, 4, 64, deterministic=True,
-                                  max_total_tokens=1024, num_ctas=4)
-    lens = [1024, 1024, 1024, 7]  # 3079 tokens > 1024
-    plan = attn.plan(torch.tensor(lens, dtype=torch.int32, device=device),
-                     torch.zeros(4, 64, dtype=torch.int32, device=device))
-    s = plan.schedule
-    want = chunked_plan(lens, 1024, 4, attn.config.block_n, s.unit_req.shape[0])
-    np.testing.assert_array_equal(s.req_splits[:4].cpu().numpy(), want["req_splits"])
-    assert int(s.num_units) <= s.unit_req.shape[0] * 4
-    assert errors.peek(device) == [errors.REASONS[errors.INVARIANCE_LOST]]
-    errors.error_flag(device).zero_()
+    want, cfg = _check_stream(device, [1024, 1024, 1024, 7], 4, 6, deterministic=True, max_total_tokens=1024)
+    assert want["overflow"]
+    _stream_invariants(want, cfg, 4, 6)
 
 
 def test_plan_clamps_int64_lengths_past_int32(device):

@@ -1,9 +1,12 @@
 """The serving benchmark's logic on CPU: workloads, metrics, the streaming HTTP client (against
-a local fake of SGLang's /generate), the summary and plots. The engines themselves run on the
-GPU machine only."""
+a local fake of SGLang's /generate), the engines' arguments per mode, the children's start
+order, the Triton compile attribution, the summary and plots. The engines themselves run on
+the GPU machine only."""
 
 import asyncio
+import csv
 import json
+import sys
 
 import pytest
 
@@ -32,6 +35,11 @@ def test_workloads_are_deterministic_and_shaped_as_documented(size):
     heavy = serving.make_workload("prefill-heavy", size)
     assert min(heavy.prompt_lens) >= 8192 and max(heavy.prompt_lens) <= 32768 and set(heavy.output_lens) == {64}
     assert len(serving.make_workload("many-short", size).prompt_lens) == 2048
+    ctx = serving.make_workload("long-context", size)
+    assert sorted(ctx.prompt_lens) == [2048] * 28 + [65536] * 4 and set(ctx.output_lens) == {128}
+    longs_at = [i for i, n in enumerate(ctx.prompt_lens) if n == 65536]
+    assert longs_at[0] > 0 and longs_at[-1] < 31 and len(set(longs_at)) == 4  # among the short ones
+    assert ctx.max_len == 65536 + 128
 
 
 def test_bad_workload_and_size_name_the_argument():
@@ -71,9 +79,22 @@ def test_quantile_is_nearest_rank():
 
 def test_stream_parser_reads_sglang_events():
     lines = [b'data: {"output_ids": [5], "meta_info": {"completion_tokens": 1}}\n', b"\n",
-             b'data: {"output_ids": [5, 6, 7], "meta_info": {"completion_tokens": 3}}\n', b"data: [DONE]\n",
-             b'data: {"meta_info": {"completion_tokens": 9}}\n']
-    assert list(serving.stream_token_counts(lines)) == [1, 3]
+             b'data: {"output_ids": [5, 6, 7], "meta_info": {"completion_tokens": 3, "spec_verify_ct": 1}}\n',
+             b"data: [DONE]\n", b'data: {"meta_info": {"completion_tokens": 9}}\n']
+    assert list(serving.stream_meta(lines)) == [{"completion_tokens": 1}, {"completion_tokens": 3, "spec_verify_ct": 1}]
+
+
+def test_tokens_per_step_counts_accepted_drafts():
+    w = Workload("x", [10, 10], [5, 3])
+    t = [RequestTiming(0.0), RequestTiming(0.0)]
+    for now, n in ((0.1, 1), (0.2, 2), (0.3, 2)):  # first token, then two steps of 2 (one draft accepted each)
+        t[0].record(now, n)
+    for now in (0.1, 0.2, 0.3):
+        t[1].record(now, 1)
+    assert serving.summarize(w, t, [], 2)["tokens_per_step"] == 1.5  # (2.0 + 1.0) / 2
+    one = [RequestTiming(0.0)]
+    one[0].record(0.1, 1)
+    assert serving.summarize(Workload("y", [3], [1]), one, [], 1)["tokens_per_step"] is None
 
 
 def test_http_client_against_a_local_fake_server():
@@ -86,9 +107,13 @@ def test_http_client_against_a_local_fake_server():
         seen.append(body)
         resp = aiohttp_web.StreamResponse()
         await resp.prepare(request)
-        for k in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+        n = body["sampling_params"]["max_new_tokens"]
+        counts = [1] + list(range(3, n + 1, 2)) + ([n] if n > 1 and n % 2 == 0 else [])
+        for k, count in enumerate(counts):  # the first token, then two per verify step (the last may be one)
             await asyncio.sleep(0.01)
-            event = {"output_ids": [3] * k, "meta_info": {"completion_tokens": k}}
+            event = {"output_ids": [3] * count, "meta_info": {"completion_tokens": count}}
+            if k:
+                event["meta_info"]["spec_verify_ct"] = k
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -112,29 +137,77 @@ def test_http_client_against_a_local_fake_server():
     assert row["max_in_flight"] == 3
     assert 5 <= row["ttft_p50_ms"] < 500 and 5 <= row["tpot_p50_ms"] < 500
     assert sorted(len(b["input_ids"]) for b in seen) == [4, 5, 6]
+    # Per request (tokens - 1) / verify steps: 2/1 (3 tokens), 4/2 (5 tokens); the 1-token one has none.
+    assert row["tokens_per_step"] == 2.0
     assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen)
 
 
 def _rows():
-    base = {"engine": "vllm", "engine_version": "0", "shape": "qwen3-8b", "graphs": 1, "status": "ok"}
+    base = {"engine": "vllm", "engine_version": "0", "mode": "default", "tp": 1, "shape": "qwen3-8b", "graphs": 1,
+            "repeat": 1, "status": "ok"}
+    bi = {**base, "mode": "batch-invariant"}
     return [{**base, "backend": "FLASH_ATTN", "workload": "chat", "output_tok_s": "100", "tpot_p50_ms": "20",
-             "ttft_p50_ms": "500", "decode_step_p50_ms": "19"},
+             "ttft_p50_ms": "500", "decode_step_p50_ms": "19", "startup_s": "50", "engine_init_s": "30"},
             {**base, "backend": "evenkv", "workload": "chat", "output_tok_s": "110", "tpot_p50_ms": "16",
-             "ttft_p50_ms": "", "decode_step_p50_ms": "15"},
-            {**base, "backend": "evenkv", "workload": "many-short", "output_tok_s": "50", "tpot_p50_ms": "1"}]
+             "ttft_p50_ms": "", "decode_step_p50_ms": "15", "startup_s": "53.5", "engine_init_s": "31"},
+            {**base, "backend": "evenkv", "workload": "many-short", "output_tok_s": "50", "tpot_p50_ms": "1"},
+            # batch-invariant rows compare with each other only, never with the default mode's
+            {**bi, "backend": "FLASH_ATTN", "workload": "chat", "output_tok_s": "50", "tpot_p50_ms": "40",
+             "ttft_p50_ms": "800", "decode_step_p50_ms": "30"},
+            {**bi, "backend": "evenkv", "workload": "chat", "output_tok_s": "75", "tpot_p50_ms": "20",
+             "ttft_p50_ms": "1000", "decode_step_p50_ms": "20"}]
 
 
 def test_ratios_summary_and_plots(tmp_path):
     rs = serving.ratios(_rows(), "vllm", "FLASH_ATTN")
-    assert rs == [{"shape": "qwen3-8b", "workload": "chat", "backend": "evenkv", "tok_s_ratio": 1.1,
-                   "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None, "decode_step_speedup": 1.267}]
+    common = {"tp": "1", "shape": "qwen3-8b", "workload": "chat", "repeat": "1", "backend": "evenkv"}
+    assert rs == [{"mode": "default", **common, "tok_s_ratio": 1.1, "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None,
+                   "decode_step_speedup": 1.267, "startup_delta_s": 3.5, "engine_init_delta_s": 1.0},
+                  {"mode": "batch-invariant", **common, "tok_s_ratio": 1.5, "tpot_p50_speedup": 2.0,
+                   "ttft_p50_speedup": 0.8, "decode_step_speedup": 1.5, "startup_delta_s": None,
+                   "engine_init_delta_s": None}]
     md = serving.summary_markdown(_rows(), ["a note"])
-    assert "- a note" in md and "| qwen3-8b | chat | evenkv | 1.1 | 1.25 | – | 1.267 |" in md
+    assert "- a note" in md
+    assert "| default | 1 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
+    assert "| batch-invariant | 1 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
     serving.write_rows(tmp_path / "serving.csv", _rows())
     serving.report(tmp_path, ["n"])
     assert (tmp_path / "summary.md").read_text().startswith("# Serving benchmark")
     assert (tmp_path / "vllm-ratios.png").stat().st_size > 1000
-    assert len(serving.read_rows(tmp_path / "serving.csv")) == 3
+    assert len(serving.read_rows(tmp_path / "serving.csv")) == 5
+
+
+def test_ratios_pair_repeats_and_read_old_rows_as_default_mode():
+    old = {"engine": "sglang", "shape": "s", "workload": "chat", "output_tok_s": "100", "tpot_p50_ms": "10",
+           "ttft_p50_ms": "100"}  # a row of a CSV written before the mode, tp and repeat columns
+    rows = [{**old, "backend": "fa3"}, {**old, "backend": "evenkv", "output_tok_s": "120"},
+            {**old, "backend": "fa3", "mode": "default", "tp": "1", "repeat": "2", "output_tok_s": "200"},
+            {**old, "backend": "evenkv", "mode": "default", "tp": "1", "repeat": "2", "output_tok_s": "220"},
+            {**old, "backend": "triton", "tp": "2", "output_tok_s": "90"}]  # no fa3 row at tp 2: no ratio
+    rs = serving.ratios(rows, "sglang", "fa3")
+    assert [(r["backend"], r["repeat"], r["tok_s_ratio"]) for r in rs] == [("evenkv", "1", 1.2), ("evenkv", "2", 1.1)]
+
+
+def test_csv_written_by_an_older_version_is_rewritten_with_the_new_columns(tmp_path):
+    path = tmp_path / "serving.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, ["engine", "backend", "workload", "output_tok_s"])
+        w.writeheader()
+        w.writerow({"engine": "vllm", "backend": "evenkv", "workload": "chat", "output_tok_s": "7"})
+    serving.write_rows(path, _rows()[:1])
+    serving.write_rows(path, _rows()[1:2])  # same columns now: appended
+    with path.open() as f:
+        assert next(csv.reader(f)) == serving.COLUMNS
+    rows = serving.read_rows(path)
+    assert [(r["backend"], r["output_tok_s"], r["mode"]) for r in rows] == [
+        ("evenkv", "7", ""), ("FLASH_ATTN", "100", "default"), ("evenkv", "110", "default")]
+
+
+def test_every_row_column_is_documented_in_the_csv():
+    for col in ("mode", "tp", "start_order", "repeat", "triton_cache", "engine_init_s", "import_s",
+                "compiled_during_run", "compiled_during_warmup", "tokens_per_step", "torch_compile", "spec"):
+        assert col in serving.COLUMNS
+    assert len(set(serving.COLUMNS)) == len(serving.COLUMNS)
 
 
 def test_model_config_has_the_shape(tmp_path):
@@ -151,10 +224,153 @@ def test_cli_rejects_a_bad_workload_before_starting_an_engine(tmp_path):
     assert not (tmp_path / "serving.csv").exists()
 
 
+def test_cli_modes_tp_and_default_backends(tmp_path):
+    a = serving.parse_args(["sglang", "--out", str(tmp_path), "--mode", "default", "--mode",
+                            "batch-invariant,spec-ngram,default", "--tp", "2"])
+    assert a.modes == ["default", "batch-invariant", "spec-ngram"] and a.tp == 2
+    assert a.backends == "evenkv,fa3,triton" and serving.DEFAULT_BACKEND["sglang"] == "fa3"
+    v = serving.parse_args(["vllm", "--out", str(tmp_path)])
+    assert v.modes == ["default"] and v.tp == 1 and v.backends == "evenkv,FLASH_ATTN" and not v.vllm_compile
+    assert v.triton_cache == "fresh" and v.repeats == 1
+    with pytest.raises(ValueError, match="mode: expected one of default, batch-invariant, spec-ngram, got 'fast'"):
+        serving.parse_args(["vllm", "--out", str(tmp_path), "--mode", "default,fast"])
+    with pytest.raises(ValueError, match="tp: expected >= 1, got 0"):
+        serving.parse_args(["vllm", "--out", str(tmp_path), "--tp", "0"])
+    with pytest.raises(ValueError, match="ngram-min <= ngram-max"):
+        serving.parse_args(["vllm", "--out", str(tmp_path), "--ngram-min", "5", "--ngram-max", "3"])
+    c = serving.parse_args(["child", "--engine", "vllm", "--shape", "qwen3-8b", "--backend", "evenkv", "--mode",
+                            "spec-ngram", "--spec-tokens", "5", "--vllm-compile"])
+    setup = serving.child_setup(c)
+    assert (setup.mode, setup.spec_tokens, setup.torch_compile, setup.tp) == ("spec-ngram", 5, 3, 1)
+
+
+def test_children_rotate_which_backend_starts_first():
+    kids = serving.child_order(["evenkv", "fa3", "triton"], ["default", "batch-invariant"], ["s"], 2)
+    groups = [[c.backend for c in kids[i:i + 3]] for i in range(0, len(kids), 3)]
+    assert groups == [["evenkv", "fa3", "triton"], ["fa3", "triton", "evenkv"], ["triton", "evenkv", "fa3"],
+                      ["evenkv", "fa3", "triton"]]
+    assert [c.start_order for c in kids] == list(range(1, 13))
+    assert [(c.repeat, c.mode) for c in kids[::3]] == [(1, "default"), (1, "batch-invariant"), (2, "default"),
+                                                       (2, "batch-invariant")]
+    first = serving.child_order(["evenkv", "FLASH_ATTN"], ["default"], ["a", "b"], 1, first="FLASH_ATTN")
+    assert [(c.shape, c.backend) for c in first] == [("a", "FLASH_ATTN"), ("a", "evenkv"), ("b", "evenkv"),
+                                                     ("b", "FLASH_ATTN")]
+    with pytest.raises(ValueError, match="first: expected one of the backends .* got 'triton'"):
+        serving.child_order(["evenkv", "FLASH_ATTN"], ["default"], ["a"], 1, first="triton")
+
+
+def _fake_compile(cache, entry, name, binary=".cubin"):
+    d = cache / entry
+    d.mkdir(parents=True)
+    (d / f"{name}.json").write_text(json.dumps({"name": name, "num_warps": 4}))
+    (d / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {}}))
+    (d / f"{name}.ttir").write_text("")
+    (d / f"{name}{binary}").write_bytes(b"\0")
+
+
+def test_compiles_are_attributed_by_kernel_name(tmp_path):
+    cache = tmp_path / "triton"
+    assert serving.compiled_kernels(cache) == {}
+    _fake_compile(cache, "AAA", "decode_split_kernel")
+    _fake_compile(cache, "BBB", "extend_kernel")
+    (cache / "CCC").mkdir()  # an entry still being written: no binary yet, not counted
+    (cache / "CCC" / "extend_kernel.json").write_text("{}")
+    before = serving.compiled_kernels(cache)
+    assert before == {"AAA": "decode_split_kernel", "BBB": "extend_kernel"}
+    _fake_compile(cache, "DDD", "extend_kernel")  # a second specialization of the same kernel
+    _fake_compile(cache, "EEE", "merge_kernel", ".hsaco")
+    assert serving.compiled_since(before, cache) == ["extend_kernel", "merge_kernel"]
+    assert serving.compiled_since({}, cache) == ["decode_split_kernel", "extend_kernel", "extend_kernel",
+                                                 "merge_kernel"]
+
+
+def test_vllm_arguments_per_mode(tmp_path):
+    default = serving.EngineSetup()
+    kw = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, default)
+    assert kw["tensor_parallel_size"] == 1 and "speculative_config" not in kw
+    assert kw["compilation_config"]["mode"] == 0 and kw["compilation_config"]["custom_ops"] == ["none"]
+    assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 48
+    spec = serving.EngineSetup(mode="spec-ngram", tp=2, torch_compile=3, spec_tokens=3, ngram_min=2, ngram_max=4)
+    kw = serving.vllm_llm_kwargs(tmp_path, "FLASH_ATTN", 9000, 48, 0.8, spec)
+    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                        "prompt_lookup_max": 4}
+    assert kw["tensor_parallel_size"] == 2 and kw["compilation_config"]["mode"] == 3
+    # graph sizes count tokens: 1 + K per request of a verify step
+    sizes = kw["compilation_config"]["cudagraph_capture_sizes"]
+    assert sizes[0] == 4 and sizes[-1] == 48 * 4 and all(s % 4 == 0 for s in sizes)
+    eager = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, serving.EngineSetup(graphs=False))
+    assert eager["enforce_eager"] and eager["compilation_config"]["cudagraph_mode"] == "NONE"
+    assert serving.mode_env("vllm", "batch-invariant") == {"VLLM_BATCH_INVARIANT": "1"}
+    assert serving.mode_env("vllm", "default") == {} and serving.mode_env("sglang", "batch-invariant") == {}
+    assert spec.spec_label("vllm") == "ngram:k=3,n=2-4" and spec.spec_label("sglang") == "NGRAM:draft=4,breadth=1"
+    assert default.spec_label("vllm") == ""
+
+
 def test_server_command_has_the_operator_flags(tmp_path):
-    cmd = serving.sglang_server_cmd(tmp_path, "evenkv", 30000, 9000, 256, True, 0.8)
+    cmd = serving.sglang_server_cmd(tmp_path, "evenkv", 30000, 9000, 256, 0.8, serving.EngineSetup())
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     for flag, value in (("--attention-backend", "evenkv"), ("--load-format", "dummy"),
-                        ("--max-running-requests", "256"), ("--cuda-graph-max-bs-decode", "256")):
+                        ("--max-running-requests", "256"), ("--cuda-graph-max-bs-decode", "256"), ("--tp-size", "1")):
         assert cmd[cmd.index(flag) + 1] == value
-    assert "--disable-cuda-graph" in serving.sglang_server_cmd(tmp_path, "triton", 1, 9000, 8, False, 0.8)
+    assert "--enable-deterministic-inference" not in cmd and "--speculative-algorithm" not in cmd
+    eager = serving.sglang_server_cmd(tmp_path, "triton", 1, 9000, 8, 0.8, serving.EngineSetup(graphs=False))
+    assert "--disable-cuda-graph" in eager
+    det = serving.sglang_server_cmd(tmp_path, "fa3", 1, 9000, 8, 0.8, serving.EngineSetup(mode="batch-invariant"))
+    assert "--enable-deterministic-inference" in det
+    spec = serving.sglang_server_cmd(tmp_path, "evenkv", 1, 9000, 8, 0.8,
+                                     serving.EngineSetup(mode="spec-ngram", tp=2, spec_tokens=5, ngram_breadth=3))
+    for flag, value in (("--speculative-algorithm", "NGRAM"), ("--speculative-num-draft-tokens", "6"),
+                        ("--speculative-ngram-max-bfs-breadth", "3"), ("--tp-size", "2")):
+        assert spec[spec.index(flag) + 1] == value
+
+
+def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeypatch):
+    """run_parent with a stand-in child that writes one row holding its cache folder and flags."""
+    child = (
+        "import json, os, sys\n"
+        "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+        "cache = os.environ['TRITON_CACHE_DIR']\n"
+        "warm = bool(os.listdir(cache))\n"
+        "os.makedirs(os.path.join(cache, a['--backend'] + a['--repeat']), exist_ok=True)\n"
+        "row = {'engine': 'sglang', 'mode': a['--mode'], 'tp': 1, 'shape': 's', 'backend': a['--backend'],\n"
+        "       'workload': 'chat', 'repeat': a['--repeat'], 'start_order': a['--start-order'],\n"
+        "       'triton_cache': 'warm' if warm else 'cold', 'output_tok_s': 1, 'status': cache}\n"
+        "open(a['--json'], 'w').write(json.dumps([row]))\n")
+
+    def fake_cmd(a, c, rows_json, startup_file):
+        return [sys.executable, "-c", child, "--backend", c.backend, "--mode", c.mode, "--repeat", str(c.repeat),
+                "--start-order", str(c.start_order), "--json", str(rows_json)]
+
+    monkeypatch.setattr(serving, "child_cmd", fake_cmd)
+    monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)  # the untimed engine import
+    out = tmp_path / "run"
+    rc = serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--mode", "default,batch-invariant",
+                       "--repeats", "2", "--triton-cache", "shared", "--triton-cache-dir", str(tmp_path / "tc"),
+                       "--min-child", "0", "--budget", "600"])
+    assert rc == 0
+    rows = serving.read_rows(out / "serving.csv")
+    assert [(r["repeat"], r["mode"], r["backend"], r["start_order"]) for r in rows] == [
+        ("1", "default", "evenkv", "1"), ("1", "default", "fa3", "2"),
+        ("1", "batch-invariant", "fa3", "3"), ("1", "batch-invariant", "evenkv", "4"),
+        ("2", "default", "evenkv", "5"), ("2", "default", "fa3", "6"),
+        ("2", "batch-invariant", "fa3", "7"), ("2", "batch-invariant", "evenkv", "8")]
+    # one shared cache folder per backend: cold at its first start, warm after
+    evenkv_cache = tmp_path / "tc" / "sglang-qwen3-30b-a3b-attn-evenkv"
+    assert {r["status"] for r in rows if r["backend"] == "evenkv"} == {str(evenkv_cache)}
+    assert [r["triton_cache"] for r in rows if r["backend"] == "fa3"] == ["cold", "warm", "warm", "warm"]
+    assert (out / "summary.md").exists()
+
+
+def test_server_log_is_copied_and_its_first_line_timed(capfd):
+    import subprocess
+    import time
+
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3); print('server_args=...');"
+                             "print('ready \\xff')"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    log = serving.ServerLog(proc)
+    proc.wait(10)
+    log._thread.join(10)
+    assert log.first_line_at is not None and log.first_line_at - t0 >= 0.3
+    assert "server_args=...\nready" in capfd.readouterr().out

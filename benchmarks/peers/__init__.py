@@ -7,13 +7,14 @@ One small module per implementation; each is imported lazily and exposes
     version() -> str                    for the CSV ("" when unknown)
     variants(ctx) -> [(variant, default)]  the variants it offers; default ones run
                                         unless ``--impls`` names others
-    make(variant, ctx) -> Runner        one runner per (shape, T, page size)
+    make(variant, ctx) -> Runner        one runner per (shape, T, page size), for batches of
+                                        up to ctx.max_q_len query tokens per request
 
 and optionally
 
     supports(ctx) -> str                why it cannot run this context (page size, head dim,
-                                        KV dtype, window), "" when it can; groups it cannot
-                                        run are left out of the sweep with that reason
+                                        KV dtype, window, verify rows), "" when it can; groups
+                                        it cannot run are left out of the sweep with that reason
     prebuild(variant, ctx) -> [str]     start background builds of the JIT modules it will
                                         load (``start_background``); what it started
 
@@ -75,6 +76,8 @@ class Context:
     num_sms: int
     kv_dtype: torch.dtype | None = None   # the KV pool's dtype; None: the same as dtype
     window: int = 0         # sliding window: a decode row reads keys [len - window, len); 0: none
+    max_q_len: int = 1      # query tokens per request of the batches it runs: 1 (plain decode) or up
+                            # to 1 + K (speculative verify of K draft tokens)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -85,14 +88,17 @@ class Context:
         return self.cache_dtype == torch.float8_e4m3fn
 
 
-def feature_gaps(ctx: Context, fp8_kv: bool, window: bool) -> str:
+def feature_gaps(ctx: Context, fp8_kv: bool, window: bool, verify: bool = False) -> str:
     """``supports`` helper: why an implementation without an fp8 KV cache (``fp8_kv``
-    False) or without a sliding window (``window`` False) cannot run ``ctx``; "" if it can."""
+    False), without a sliding window (``window`` False) or without rows of several query
+    tokens (``verify`` False) cannot run ``ctx``; "" if it can."""
     gaps = []
     if ctx.kv_fp8 and not fp8_kv:
         gaps.append("no fp8 KV cache")
     if ctx.window and not window:
         gaps.append("no sliding window")
+    if ctx.max_q_len > 1 and not verify:
+        gaps.append("no verify rows")
     return "; ".join(gaps)
 
 
@@ -104,8 +110,11 @@ class Batch:
     padded with 0); page_indptr [B + 1] / page_indices [sum pages] / last_page_len [B]
     int32 (FlashInfer's CSR form of the same placement); k_pages / v_pages
     [num_pages, page_size, Hkv, D] (the pool, shared by every point; bf16/fp16, or
-    float8_e4m3fn holding real / k_scale and real / v_scale); q / out [B, Hq, D] (the
-    model dtype). Token-level indices (SGLang) are derived on first use.
+    float8_e4m3fn holding real / k_scale and real / v_scale); q / out [B * q_len, Hq, D]
+    (the model dtype): request b's q_len query tokens are rows b * q_len .. (b + 1) * q_len - 1,
+    at positions seq_len - q_len .. seq_len - 1 (q_len 1: plain decode; 1 + K: speculative
+    verify of K draft tokens, causal among them). Token-level indices (SGLang) are derived
+    on first use.
     """
 
     seq_lens_host: list
@@ -121,6 +130,7 @@ class Batch:
     out: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
+    q_len: int = 1
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -146,10 +156,15 @@ class Batch:
 
     @property
     def cu_seqlens_q(self) -> torch.Tensor:
-        """[B + 1] int32 = 0..B (one query token per request)."""
+        """[B + 1] int32 = 0, q_len, 2 q_len, ..., B q_len (request b's query rows)."""
         if "cu_q" not in self._cache:
-            self._cache["cu_q"] = torch.arange(self.batch_size + 1, dtype=torch.int32, device=self.q.device)
+            self._cache["cu_q"] = torch.arange(0, self.batch_size * self.q_len + 1, self.q_len, dtype=torch.int32,
+                                               device=self.q.device)
         return self._cache["cu_q"]
+
+    def query_rows(self, request: int) -> slice:
+        """The rows of q and out that hold ``request``'s query tokens."""
+        return slice(request * self.q_len, (request + 1) * self.q_len)
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token_indptr [B + 1] int32, token slots [T] int32) for SGLang's token pool:

@@ -14,6 +14,11 @@ before the backend) with vLLM's default q_scale 1.0, and ``q_descale`` / ``k_des
 ``v_descale`` are the scales expanded to [B, Hkv] fp32; the scheduler metadata is planned
 for the fp8 dtype. FA3's fp8 kernel writes bf16 only. A window W is
 ``window_size = (W - 1, 0)``, in the metadata and in the call, as vLLM passes it.
+
+Verify rows (1 + K query tokens per request) run as vLLM's FlashAttention backend runs a
+speculative-decoding verify step: ``max_seqlen_q = 1 + K`` in the scheduler metadata and in
+the call, the batch's ``cu_seqlens_q``, causal (FlashAttention aligns the queries with the
+end of the keys, so token t sees keys up to seq_len - q_len + t).
 """
 
 import torch
@@ -76,16 +81,16 @@ class FA3Runner(Runner):
     def plan(self):
         b, s = self.batch, self.ctx.shape
         self.metadata = self.meta_fn(
-            b.batch_size, 1, b.max_len, s.num_q_heads, s.num_kv_heads, s.head_dim, cache_seqlens=b.seq_lens,
+            b.batch_size, b.q_len, b.max_len, s.num_q_heads, s.num_kv_heads, s.head_dim, cache_seqlens=b.seq_lens,
             qkv_dtype=self.ctx.cache_dtype, cu_seqlens_q=b.cu_seqlens_q, page_size=b.page_size, causal=True,
             window_size=self.window, num_splits=self.num_splits)
 
     def run(self):
         b = self.batch
-        self.fwd(self.q, b.k_pages, b.v_pages, max_seqlen_q=1, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_k=b.max_len,
-                 seqused_k=b.seq_lens, softmax_scale=self.ctx.sm_scale, causal=True, window_size=self.window,
-                 block_table=b.page_table, out=b.out, scheduler_metadata=self.metadata, num_splits=self.num_splits,
-                 fa_version=3, **self.descales)
+        self.fwd(self.q, b.k_pages, b.v_pages, max_seqlen_q=b.q_len, cu_seqlens_q=b.cu_seqlens_q,
+                 max_seqlen_k=b.max_len, seqused_k=b.seq_lens, softmax_scale=self.ctx.sm_scale, causal=True,
+                 window_size=self.window, block_table=b.page_table, out=b.out, scheduler_metadata=self.metadata,
+                 num_splits=self.num_splits, fa_version=3, **self.descales)
 
 
 def make(variant, ctx):

@@ -15,7 +15,7 @@ On a fresh machine each module (head_dim, tensor cores, KV dtype, window) is JIT
 
 import torch
 
-from . import Runner, fi_jit, module_version, try_import
+from . import Runner, feature_gaps, fi_jit, module_version, try_import
 
 FAMILY = "flashinfer"
 MODULE = "flashinfer"
@@ -37,6 +37,10 @@ def version() -> str:
 
 def variants(ctx):
     return [("notc", True), ("tc", True)]
+
+
+def supports(ctx) -> str:
+    return feature_gaps(ctx, fp8_kv=True, window=True)
 
 
 def prebuild(variant, ctx) -> list:

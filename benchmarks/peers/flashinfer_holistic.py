@@ -4,9 +4,11 @@ every (request, KV head) into chunks of one length (the batch's KV per CTA, roun
 first, and merges the partial states of cut requests in a second stage.
 
 Called as FlashInfer's own tests call it for decode: NHD layout over the shared pool,
-``qo_indptr`` = 0..B (one query token per request), FlashInfer's CSR page indices
+``qo_indptr`` = the batch's query rows (0..B for one query token per request; steps of
+1 + K for verify rows of K draft tokens), FlashInfer's CSR page indices
 (``page_indptr`` / ``page_indices``) and the token lengths ``kv_len_arr`` [B] int32,
-``causal=True`` (with one query token, the same as no mask). ``plan`` is
+``causal=True`` (FlashInfer aligns the queries with the end of the keys; with one query
+token, the same as no mask). ``plan`` is
 ``BatchAttention.plan``: it copies the indptrs and lengths to the host, synchronizes, and
 writes the schedule into the wrapper's workspaces (384 MiB float, 8 MiB int, allocated by
 the wrapper itself). ``run`` is ``BatchAttention.run`` into ``batch.out`` with a
@@ -40,7 +42,7 @@ variants = opt_in_only
 
 
 def supports(ctx) -> str:
-    return feature_gaps(ctx, fp8_kv=False, window=False)
+    return feature_gaps(ctx, fp8_kv=False, window=False, verify=True)
 
 
 def prebuild(variant, ctx) -> list:
@@ -54,12 +56,13 @@ class HolisticRunner(Runner):
             raise ValueError(f"flashinfer_holistic variant: expected 'default', got {variant!r}")
         self.ctx = ctx
         self.wrapper = flashinfer.BatchAttention(kv_layout="NHD", device=str(ctx.device))
-        self.lse = torch.empty(ctx.max_batch, ctx.shape.num_q_heads, dtype=torch.float32, device=ctx.device)
+        self.lse = torch.empty(ctx.max_batch * ctx.max_q_len, ctx.shape.num_q_heads, dtype=torch.float32,
+                               device=ctx.device)
         self.config = "BatchAttention (persistent, NHD)"
 
     def prepare(self, batch):
         self.batch = batch
-        self.lse_b = self.lse[: batch.batch_size]
+        self.lse_b = self.lse[: batch.q.shape[0]]
 
     def plan(self):
         b, s = self.batch, self.ctx.shape

@@ -18,7 +18,7 @@ size, head_dim, G, window), prebuilt in the background.
 
 import torch
 
-from . import Runner, fi_jit, opt_in_only, try_import
+from . import Runner, feature_gaps, fi_jit, opt_in_only, try_import
 from .flashinfer import version  # noqa: F401 - the adapter protocol's version()
 
 FAMILY = "flashinfer_xqa"
@@ -48,7 +48,7 @@ variants = opt_in_only
 def supports(ctx) -> str:
     if ctx.page_size not in PAGE_SIZES:
         return f"pages of {', '.join(map(str, PAGE_SIZES))} tokens only, not {ctx.page_size}"
-    return ""
+    return feature_gaps(ctx, fp8_kv=True, window=True)
 
 
 def prebuild(variant, ctx) -> list:

@@ -2,7 +2,9 @@
 with the thresholds of vLLM's TritonAttentionBackend (eager mode): the 3D kernel with
 16 softmax segments while B <= 128 // Hkv (MIN_LAUNCH_GRID_SIZE_2D // Hkv), the 2D
 kernel (no split) above. Segment buffers are sized for that threshold, as vLLM does.
-There is no plan step (vLLM's builder only packs metadata).
+There is no plan step (vLLM's builder only packs metadata). Verify rows (1 + K query
+tokens per request) are called as vLLM calls them, ``max_seqlen_q = 1 + K``: the kernel then
+takes its 2D path whatever B is.
 """
 
 import torch
@@ -29,7 +31,7 @@ def variants(ctx):
 
 
 def supports(ctx) -> str:
-    return feature_gaps(ctx, fp8_kv=False, window=False)
+    return feature_gaps(ctx, fp8_kv=False, window=False, verify=True)
 
 
 def _next_pow2(n: int) -> int:
@@ -58,7 +60,7 @@ class VLLMTritonRunner(Runner):
 
     def run(self):
         b = self.batch
-        self.fwd(q=b.q, k=b.k_pages, v=b.v_pages, out=b.out, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=1,
+        self.fwd(q=b.q, k=b.k_pages, v=b.v_pages, out=b.out, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=b.q_len,
                  seqused_k=b.seq_lens, max_seqlen_k=b.max_len, softmax_scale=self.ctx.sm_scale, causal=True,
                  window_size=(-1, -1), block_table=b.page_table, softcap=0, q_descale=None,
                  k_descale=self.descale, v_descale=self.descale, seq_threshold_3D=self.threshold,
@@ -66,7 +68,8 @@ class VLLMTritonRunner(Runner):
                  softmax_segm_max=self.segm_max, softmax_segm_expsum=self.segm_expsum)
 
     def describe(self):
-        return "3D, 16 segments" if self.batch.batch_size <= self.threshold else "2D, no split"
+        three_d = self.batch.q_len == 1 and self.batch.batch_size <= self.threshold
+        return "3D, 16 segments" if three_d else "2D, no split"
 
 
 def make(variant, ctx):

@@ -1,9 +1,12 @@
-"""Triton kernels for paged decode attention (q_len = 1).
+"""Triton kernels for paged decode attention: decode rows of one query token, and
+speculative-verify rows of 1 + draft tokens.
 
 Work unit: a KV *tile* = BLOCK_N consecutive tokens of one request for one KV head,
-with all G = Hq / Hkv query heads of that KV head packed into the tile's rows
-(PackGQA, padded to G_PAD >= 16 rows for the tensor-core dot). A *segment* is the
-run of tiles of one (request, KV head) pair.
+with the rows of that KV head packed into the tile's rows: its G = Hq / Hkv query heads
+(PackGQA), times the row's query tokens for a verify row (MULTI_Q: tile row r is query
+token r // G and query head h * G + r % G), padded to ROWS >= 16 rows for the tensor-core
+dot. Every query token of a row reads each KV byte once, so a verify row costs what a
+decode row costs in bytes. A *segment* is the run of tiles of one (request, KV head) pair.
 
 Two kernels walk the segments, one per scheduling mode:
 
@@ -16,8 +19,8 @@ Two kernels walk the segments, one per scheduling mode:
   them (``_arrive_and_merge``); ``merge_stream_kernel`` merges segments of more pieces, in
   a grid launched early (programmatic dependent launch on sm90) that waits for the decode
   kernel before it reads a partial.
-* ``decode_units_kernel`` (policies ``fa3`` and ``none``): work units are
-  (request, split, KV head) triples. Persistent CTAs pull units from an atomic
+* ``decode_units_kernel`` (policies ``fa3`` and ``none``, and deterministic mode): work
+  units are (request, split, KV head) triples. Persistent CTAs pull units from an atomic
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
 Both kernels take their online-softmax steps with ``_attend_tile`` (the units kernel
@@ -26,42 +29,95 @@ and ``_merge_to_out``. Softmax is computed in base 2: the fp32 scores are
 scaled by ``sm_scale * log2(e)`` so ``exp2`` replaces ``exp``; every LSE in this module
 is a base-2 log-sum-exp.
 
+Verify rows (MULTI_Q): request b's query tokens are q rows ``q_start .. q_start + q_len``
+(``plan.decode_query_rows``), token t at position seq_len - q_len + t. Causal: token t sees
+the keys up to its position. TREE: ``tree[q_start + t]`` is a bit mask over the request's
+new tokens (bit j: token t sees new token j; the prefix is always seen), SGLang's
+tree-shaped drafts. A partial slot holds SLOT_ROWS = G * (most query tokens of a row) rows.
+
 What a layer adds to plain attention (``decode_launch.LayerTerms``):
 
 * sliding window W (runtime ``window``, 0 = none): a segment is the tiles of the request's
-  last min(seq_len, W) tokens, counted from the window's first token (``plan.window_tiles``),
-  so the plan and the walk cost the window's tokens only;
+  last min(seq_len, W) tokens (a verify row's ``plan.row_window``), counted from the
+  window's first token (``plan.window_tiles``), so the plan and the walk cost the window's
+  tokens only; verify rows mask each token's own window;
 * soft-cap (SOFTCAP): base-2 scores ``numerics.soft_cap(s, qk_scale, cap_scale)``;
 * sinks (HAS_SINKS): a per-query-head logit in the softmax denominator, added where a
   row's result is final (``_add_sinks``: a whole segment's store, or its merge);
 * FP8 cache (KV_FP8): e4m3 tiles widened to fp16 in registers, q prescaled into fp16
-  (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored. Token and slot offsets are int64 because ``slot * stride``
-passes 2**31 for caches beyond 2**31 elements.
+  (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored.
 
-Memory safety does not depend on the page table: a page id outside ``[0, num_pages)`` is
-never dereferenced (its K and V load as zeros; the request's result is then undefined).
+Token and slot offsets are int64 because ``slot * stride`` passes 2**31 for caches beyond
+2**31 elements. A NaN in q or in a key that a row sees makes that row's output NaN, as in
+exact softmax attention; a row that sees no key (and no sink) is zeros.
+
+Memory safety does not depend on the batch data: a page id outside ``[0, num_pages)`` is
+never dereferenced (its tokens are left out of their request's attention, and flagged);
 ``evenkv.kernels.plan.audit_pages_kernel``, once per plan, sets PAGE_OUT_OF_RANGE in the
-error flag for such ids, so the tile loops carry nothing for it. Lengths were clamped to the page table by the
-planner.
+error flag for such ids, so the tile loops carry nothing for it. Lengths and query ranges
+were clamped by the planner; query rows at or past ``total_q`` (q's rows) are neither read
+nor written, and the first CTA flags QUERY_OUT_OF_RANGE if the plan's rows pass it.
 
 Specialization: integers that vary with the batch or the cache (the batch size, the page
-table's row stride, the cache's page count) are ``do_not_specialize``, so a server compiles
-each kernel once per config, at start-up.
+table's row stride, the cache's page count, q's rows) are ``do_not_specialize``, so a
+server compiles each kernel once per config, at start-up.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .error_bits import QUERY_OUT_OF_RANGE
 from .numerics import FP8_Q_PRESCALE, LOG2E, dot, narrow, soft_cap
-from .plan import window_tiles
+
+from .plan import ACTIVE_REQ_FIELDS, decode_query_rows, row_window, window_tiles
 
 
 @triton.jit
-def _load_q(q_ptr, stride_qb, stride_qh, b, h,
-            G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            KV_FP8: tl.constexpr):
-    """Rows g < G of q[b, h*G + g, :] as stored; rows >= G are zero (they only pad the dot).
+def _row_fields(row0, q_start, q_len, total_q, G: tl.constexpr, ROWS: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Tile rows row0 .. row0 + ROWS - 1 of a segment: (their q rows, query head offset g in
+    [0, G) of each, which hold a query that exists). Plain decode: the scalar q row q_start
+    (= b) and g = row; verify rows: [ROWS] q rows, token r // G of the request's, head r % G,
+    those past q_len or past q's rows (``total_q``) absent."""
+    offs = row0 + tl.arange(0, ROWS)
+    if MULTI_Q:
+        tok = offs // G
+        row = q_start + tok
+        g = offs % G
+        present = (tok < q_len) & (row < total_q)
+    else:
+        row = q_start
+        g = offs
+        present = offs < G
+    return row, g, present
+
+
+@triton.jit
+def _query_start(q_start, b, MULTI_Q: tl.constexpr):
+    """The first q row of request b: the plan's for verify rows, b itself for plain decode."""
+    if MULTI_Q:
+        first = q_start
+    else:
+        first = b
+    return first
+
+
+@triton.jit
+def _row_offsets(row, stride, MULTI_Q: tl.constexpr):
+    """Offsets of ``_row_fields``' q rows: one scalar for plain decode, a [ROWS, 1] column else."""
+    if MULTI_Q:
+        offsets = row.to(tl.int64)[:, None] * stride
+    else:
+        offsets = row.to(tl.int64) * stride
+    return offsets
+
+
+@triton.jit
+def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
+            G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
+    """The segment's tile rows of q ([ROWS, BLOCK_D], ``_row_fields``) as stored; absent rows are
+    zero (they only pad the dot).
 
     The softmax scale is applied to the fp32 scores, not to q: scaling q and rounding it
     back to fp16/bf16 would overflow for |q| * sm_scale * log2(e) > 65504 (fp16) and add a
@@ -69,10 +125,10 @@ def _load_q(q_ptr, stride_qb, stride_qh, b, h,
     to (one conversion instruction per two values; to bf16 it takes four); the prescale
     keeps bf16 queries up to 2**20 in fp16's range, and the host folds its inverse into
     qk_scale."""
-    offs_g = tl.arange(0, G_PAD)
+    row, g, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-    ptrs = q_ptr + b.to(tl.int64) * stride_qb + (h * G + offs_g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
+    mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+    ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
     q = tl.load(ptrs, mask=mask, other=0.0)
     if KV_FP8:
         q = (q.to(tl.float32) * FP8_Q_PRESCALE).to(tl.float16)
@@ -80,19 +136,48 @@ def _load_q(q_ptr, stride_qb, stride_qh, b, h,
 
 
 @triton.jit
-def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tok0, seq_len, num_pages,
-                 qk_scale, cap_scale, m, l, acc, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One online-softmax step of q [G_PAD, BLOCK_D] against the tile of tokens tok0 ..
+def _load_tree(tree_ptr, q_start, q_len, total_q, G: tl.constexpr, ROWS: tl.constexpr, TREE: tl.constexpr):
+    """[ROWS] int32: each tile row's tree mask over its request's new tokens (TREE), else 0."""
+    if TREE:
+        row, _, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, True)
+        tree = tl.load(tree_ptr + row, mask=present, other=0)
+    else:
+        tree = tl.zeros([ROWS], tl.int32)
+    return tree
+
+
+@triton.jit
+def _seen_keys(tok, seq_len, q_len, tree, window, G: tl.constexpr, ROWS: tl.constexpr, TREE: tl.constexpr):
+    """[ROWS, BLOCK_N]: whether each tile row of a verify row sees key ``tok`` (< seq_len
+    already checked). Token t = row // G sits at position p = seq_len - q_len + t and sees
+    keys <= p (causal) or, with TREE, the prefix and the new tokens its mask names; with a
+    window W only keys > p - W."""
+    first_new = seq_len - q_len
+    pos = first_new + tl.arange(0, ROWS) // G
+    if TREE:
+        rel = tok[None, :] - first_new
+        named = ((tree[:, None] >> tl.minimum(tl.maximum(rel, 0), 31)) & 1) != 0
+        return (rel < 0) | named
+    seen = tok[None, :] <= pos[:, None]
+    return seen & ((window <= 0) | (tok[None, :] > pos[:, None] - window))
+
+
+@triton.jit
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tok0, seq_len, q_len, tree, window,
+                 num_pages, qk_scale, cap_scale, m, l, acc, G: tl.constexpr, ROWS: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
+    """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
     tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
-    page-table tail and the unused part of the last page are never read). k_head / v_head
-    point at the segment's KV head; an FP8 cache is widened to q's dtype (fp16, see
-    ``_load_q``) in registers, its scales folded into qk_scale and the stored output. Scores are ``s * qk_scale``
-    or, with SOFTCAP, ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id
-    lies outside [0, num_pages) is not read: its K and V load as zeros
+    page-table tail and the unused part of the last page are never read; MULTI_Q: each row
+    sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head; an FP8
+    cache is widened to q's dtype (fp16, see ``_load_q``) in registers, its scales folded
+    into qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
+    ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id lies outside [0,
+    num_pages) is neither read nor seen: it is left out of the row's attention
     (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
 
-    Returns the new (m [G_PAD] running base-2 max, l [G_PAD] running sum, acc [G_PAD,
+    Returns the new (m [ROWS] running base-2 max, l [ROWS] running sum, acc [ROWS,
     BLOCK_D] fp32 unnormalised)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -101,19 +186,26 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     mask_n = tok < seq_len
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
     # One unsigned compare covers negative ids too.
-    page_ok = page.to(tl.uint32, bitcast=True) < num_pages
+    key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-    kv_mask = (mask_n & page_ok)[:, None] & mask_d[None, :]
+    kv_mask = key_ok[:, None] & mask_d[None, :]
     k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
     s = dot(q, tl.trans(k.to(q.dtype)))
     if SOFTCAP:
         s = soft_cap(s, qk_scale, cap_scale)
     else:
         s = s * qk_scale
-    s = tl.where(mask_n[None, :], s, float("-inf"))
+    if MULTI_Q:
+        seen = key_ok[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE)
+    else:
+        seen = key_ok[None, :]
+    s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later tokens,
+    # a tile of bad pages) keeps acc = l = 0 instead of computing -inf - -inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + dot(narrow(p, q.dtype), v.to(q.dtype))
@@ -122,34 +214,38 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
 
 @triton.jit
 def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  page_row_ptr, h, seq_len, first_tok, tile_begin, tile_end, num_pages, qk_scale, cap_scale,
-                  PAGE_SIZE: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr):
+                  page_row_ptr, h, seq_len, q_len, tree, window, first_tok, tile_begin, tile_end, num_pages,
+                  qk_scale, cap_scale, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
     """Online softmax of q against tiles [tile_begin, tile_end) of one segment, whose tile t
-    holds tokens first_tok + t * BLOCK_N ..; scores as in ``_attend_tile``.
+    holds tokens first_tok + t * BLOCK_N ..; scores and masks as in ``_attend_tile``.
 
-    Returns (acc [G_PAD, BLOCK_D] fp32, unnormalised), m [G_PAD] (running base-2 max)
-    and l [G_PAD] (running sum).
+    Returns (acc [ROWS, BLOCK_D] fp32, unnormalised), m [ROWS] (running base-2 max)
+    and l [ROWS] (running sum).
     """
     k_head = k_ptr + h.to(tl.int64) * stride_k_head
     v_head = v_ptr + h.to(tl.int64) * stride_v_head
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr,
-                                 first_tok + tile * BLOCK_N, seq_len, num_pages, qk_scale, cap_scale, m, l, acc,
-                                 PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP)
+                                 first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
+                                 cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
+                                 MULTI_Q, TREE)
     return acc, m, l
 
 
 @triton.jit
-def _add_sinks(acc, m, l, sinks_ptr, h, row0, G: tl.constexpr, ROWS: tl.constexpr):
-    """Rows g in [row0, row0 + ROWS) of a finished (acc [ROWS, *] fp32, m base-2 max, l sum):
-    the sink logit of query head h*G + g (``sinks`` [Hq], natural log) joins the softmax
+def _add_sinks(acc, m, l, sinks_ptr, h, row0, G: tl.constexpr, ROWS: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Rows row0 .. row0 + ROWS - 1 of a finished (acc [ROWS, *] fp32, m base-2 max, l sum):
+    the sink logit of each row's query head (``sinks`` [Hq], natural log) joins the softmax
     denominator. Both are rescaled to max(m, sink) so neither term overflows; a row that saw
-    no token stays at acc = 0."""
+    no key stays at acc = 0."""
     offs_g = row0 + tl.arange(0, ROWS)
+    if MULTI_Q:
+        offs_g = offs_g % G
     sink = tl.load(sinks_ptr + h * G + offs_g, mask=offs_g < G, other=float("-inf")).to(tl.float32) * LOG2E
     top = tl.maximum(m, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -158,46 +254,61 @@ def _add_sinks(acc, m, l, sinks_ptr, h, row0, G: tl.constexpr, ROWS: tl.constexp
 
 
 @triton.jit
-def _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, l,
-                G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr):
-    """out[b, h*G + g, d0 + i] = acc[g - row0, i] / l[g - row0] for g in [row0, row0 + ROWS),
-    g < G, and i < COLS, d0 + i < HEAD_DIM; a row that saw no token (l == 0) is written as zeros."""
-    offs_g = row0 + tl.arange(0, ROWS)
+def _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, row0, d0, acc, l,
+                G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
+                MULTI_Q: tl.constexpr):
+    """Tile rows row0 .. row0 + ROWS - 1 of a segment (``_row_fields``), columns d0 .. d0 +
+    COLS - 1 (< HEAD_DIM): out = acc / l. A row that saw no key (l == 0) is zeros; a NaN
+    stays NaN."""
+    row, g, present = _row_fields(row0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
     offs_d = d0 + tl.arange(0, COLS)
-    safe_l = tl.where(l > 0, l, 1.0)
-    o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
-    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-    ptrs = out_ptr + tl.cast(b, tl.int64) * stride_ob + tl.cast(h * G + offs_g[:, None], tl.int64) * stride_oh + offs_d[None, :]
+    o = acc / tl.where(l == 0, 1.0, l)[:, None]
+    mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+    ptrs = out_ptr + _row_offsets(row, stride_ob, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
     tl.store(ptrs, narrow(o, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale,
-                 G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr):
-    """A segment walked whole by one CTA: out[b, h*G:(h+1)*G] from its (acc, m, l), with the
+def _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc, m, l, sinks_ptr, v_scale,
+                 G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
+    """A segment walked whole by one CTA: its rows of out from its (acc, m, l), with the
     sinks (HAS_SINKS) and an FP8 cache's V scale (KV_FP8)."""
     if HAS_SINKS:
-        acc, l = _add_sinks(acc, m, l, sinks_ptr, h, 0, G, G_PAD)
+        acc, l = _add_sinks(acc, m, l, sinks_ptr, h, 0, G, ROWS, MULTI_Q)
     if KV_FP8:
         acc = acc * v_scale
-    _store_rows(out_ptr, stride_ob, stride_oh, b, h, 0, 0, acc, l, G, G_PAD, HEAD_DIM, BLOCK_D)
+    _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, 0, 0, acc, l, G, ROWS, HEAD_DIM, BLOCK_D,
+                MULTI_Q)
 
 
 @triton.jit
-def _store_partial(o_part_ptr, lse_part_ptr, slot, acc, m, l, v_scale,
-                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   KV_FP8: tl.constexpr):
-    """o_part[slot] = acc / l (fp32 [G, HEAD_DIM]; times an FP8 cache's V scale); lse_part[slot]
-    = m + log2(l) ([G]). Sinks join at the merge."""
+def _segment_rows(q_len, G: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Rows of a segment's result: G per query token."""
+    if MULTI_Q:
+        rows = q_len * G
+    else:
+        rows = G
+    return rows
+
+
+@triton.jit
+def _store_partial(o_part_ptr, lse_part_ptr, slot, q_len, acc, m, l, v_scale,
+                   G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Rows r < the segment's rows of partial slot ``slot`` (SLOT_ROWS rows of fp32 [HEAD_DIM]):
+    o_part = acc / l (times an FP8 cache's V scale; 0 for a row that saw no key), lse_part =
+    m + log2(l) (-inf then). Sinks join at the merge."""
     if KV_FP8:
         acc = acc * v_scale
-    offs_g = tl.arange(0, G_PAD)
+    offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    base = slot.to(tl.int64) * G
-    mask = (offs_g[:, None] < G) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(o_part_ptr + (base + offs_g[:, None]) * HEAD_DIM + offs_d[None, :], acc / l[:, None], mask=mask)
-    tl.store(lse_part_ptr + base + offs_g, m + tl.log2(l), mask=offs_g < G)
+    base = slot.to(tl.int64) * SLOT_ROWS
+    rows = offs_r < tl.minimum(_segment_rows(q_len, G, MULTI_Q), SLOT_ROWS)
+    mask = rows[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = acc / tl.where(l == 0, 1.0, l)[:, None]
+    tl.store(o_part_ptr + (base + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=mask)
+    tl.store(lse_part_ptr + base + offs_r, m + tl.log2(l), mask=rows)
 
 
 @triton.jit
@@ -217,34 +328,43 @@ def _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS: tl.constexpr, FUSED_M
     return tl.where(span_pieces <= FUSED_MERGE_PIECES, b * NUM_KV_HEADS + h, -1), span_cta, span_pieces
 
 
-@triton.jit(do_not_specialize=["stride_pt", "window", "batch_size", "num_pages"])
+@triton.jit(do_not_specialize=["stride_pt", "window", "batch_size", "num_pages", "max_q_len", "total_q"])
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
-    seq_lens_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr,
+    seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr,
+    plan_scalars_ptr, sinks_ptr, error_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, batch_size, num_pages,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, batch_size, num_pages, max_q_len, total_q,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
-    """Persistent balanced decode: CTA c walks cost range [c*piece, (c+1)*piece).
+    """Persistent balanced decode: CTA c walks cost range [cta_pos[c], cta_pos[c + 1]) (c * piece
+    onwards; in deterministic mode moved up to a chunk boundary).
 
     Segment (b, h) spans cost [seg_lo, seg_lo + n_tiles), segments in (request, head)
-    order with empty requests skipped (``active_req``); its tile t sits at cost
-    seg_lo + t and holds tokens first_tok + t * BLOCK_N .. (``window_tiles``: with a
-    sliding window a segment is only the tiles of the window's tokens). The CTA starts in the request the plan wrote to
-    ``cta_start[c]`` and takes one cost unit per iteration of a single loop, across
-    segments, so the software pipeline keeps the next segment's page-table and K/V loads
-    in flight while one segment ends (a loop per segment drained it at every segment: with
-    many short requests that latency, not bandwidth, set the time). Each iteration reloads the segment's q rows (L1/L2 hits), which keeps every
-    load of the loop a pipelined load.
+    order with empty requests skipped (``active_req``: batch index, length, first q row,
+    q_len); its tile t sits at cost seg_lo + t and holds tokens first_tok + t * BLOCK_N ..
+    (``window_tiles``: with a sliding window a segment is only the tiles of the window's
+    tokens). The CTA starts in the request the plan wrote to ``cta_start[c]`` and takes one
+    cost unit per iteration of a single loop, across segments, so the software pipeline
+    keeps the next segment's page-table and K/V loads in flight while one segment ends (a
+    loop per segment drained it at every segment: with many short requests that latency,
+    not bandwidth, set the time). Each iteration reloads the segment's q rows (L1/L2 hits),
+    which keeps every load of the loop a pipelined load.
 
     A segment this CTA covers whole is written to ``out``; a cut one goes to partial slot
     2*c + (c is the segment's first CTA). Only the range's first and last segments can be
     cut; one of few pieces is merged by its last piece to arrive (``_arrive_and_merge``),
     one of more pieces by ``merge_stream_kernel``.
+
+    DETERMINISTIC: a segment is walked in chunks (``plan.chunk_tiles``, from its request's own
+    length), no CTA range cuts one, and each chunk of a segment of several is stored as a
+    partial at slot (chunk_base + chunk) * Hkv + h, every one from a fresh accumulator; the
+    merge is ``merge_units_kernel``'s, in chunk order. So a request's result does not depend
+    on where the CTA ranges fall, i.e. on the rest of the batch.
     """
     cta = tl.program_id(0)
     if USE_PDL:
@@ -253,23 +373,40 @@ def decode_stream_kernel(
         gdc_launch_dependents()
     num_ctas = tl.num_programs(0)
     piece = tl.load(plan_scalars_ptr)
-    total = tl.load(plan_scalars_ptr + 1)
     num_active = tl.load(plan_scalars_ptr + 2)
     k = tl.load(cta_start_ptr + 4 * cta)
     b = tl.load(cta_start_ptr + 4 * cta + 1)
     seq_len = tl.load(cta_start_ptr + 4 * cta + 2)
     req_lo = tl.load(cta_start_ptr + 4 * cta + 3)
-    next_b = tl.load(active_req_ptr + 2 * (k + 1), mask=k + 1 < num_active, other=0)
-    next_seq_len = tl.load(active_req_ptr + 2 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+    pos = tl.load(cta_pos_ptr + cta)
+    end = tl.load(cta_pos_ptr + cta + 1)
+    next_b = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1), mask=k + 1 < num_active, other=0)
+    next_seq_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+    if DETERMINISTIC:
+        chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 4, mask=k < num_active, other=1)
+        chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 5, mask=k < num_active, other=0)
+        next_chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 4, mask=k + 1 < num_active, other=1)
+        next_chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 5, mask=k + 1 < num_active, other=0)
+    if MULTI_Q:
+        q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2, mask=k < num_active, other=0)
+        q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3, mask=k < num_active, other=0)
+        next_q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 2, mask=k + 1 < num_active, other=0)
+        next_q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 3, mask=k + 1 < num_active, other=0)
+        if (cta == 0) & (tl.load(plan_scalars_ptr + 4) > total_q):
+            tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+        seg_window = row_window(window, q_len)
+    else:
+        # A plain decode row's q row is b (``_query_start``): no second loop-carried copy of it.
+        q_start = 0
+        q_len = 1
+        seg_window = window
     # Empty requests (seq_len 0: padded graph rows) are on no CTA's cost range; CTA c
     # writes zeros for requests c, c + C, ... among them. Their lengths are loaded now
     # and looked at after the walk, so the load is off the path to the first tile.
     scan_rows = cta + num_ctas * tl.arange(0, EMPTY_SCAN)
     scan_lens = tl.load(seq_lens_ptr + scan_rows, mask=scan_rows < batch_size, other=1)
 
-    pos = cta * piece
-    end = tl.minimum(pos + piece, total)
-    first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
+    first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
     h = tl.maximum(pos - req_lo, 0) // tl.maximum(n_tiles, 1)
     seg_lo = req_lo + h * n_tiles
     # The first segment is cut at its start if it has tiles before this range.
@@ -277,10 +414,13 @@ def decode_stream_kernel(
                                                             FUSED_MERGE_PIECES)
     tiles_before = pos - seg_lo
     first_seg = tl.where((pos < end) & (tiles_before > 0), first_seg, -1)
+    # Plain decode rows derive a merged segment's q row from its id; verify rows carry it.
+    first_q_start = q_start
+    first_q_len = q_len
 
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for c in tl.range(pos, end, num_stages=NUM_STAGES):
         if c >= seg_lo + n_tiles:
             # The next segment: the next KV head of this request, or the next request.
@@ -290,30 +430,58 @@ def decode_stream_kernel(
                 k = k + 1
                 b = next_b
                 seq_len = next_seq_len
-                first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
-                next_b = tl.load(active_req_ptr + 2 * (k + 1), mask=k + 1 < num_active, other=0)
-                next_seq_len = tl.load(active_req_ptr + 2 * (k + 1) + 1, mask=k + 1 < num_active, other=0)
+                nxt = active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1)
+                next_b = tl.load(nxt, mask=k + 1 < num_active, other=0)
+                next_seq_len = tl.load(nxt + 1, mask=k + 1 < num_active, other=0)
+                if DETERMINISTIC:
+                    chunk = next_chunk
+                    chunk_base = next_chunk_base
+                    next_chunk = tl.load(nxt + 4, mask=k + 1 < num_active, other=1)
+                    next_chunk_base = tl.load(nxt + 5, mask=k + 1 < num_active, other=0)
+                if MULTI_Q:
+                    q_start = next_q_start
+                    q_len = next_q_len
+                    next_q_start = tl.load(nxt + 2, mask=k + 1 < num_active, other=0)
+                    next_q_len = tl.load(nxt + 3, mask=k + 1 < num_active, other=0)
+                    seg_window = row_window(window, q_len)
+                first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
             else:
                 h = h + 1
         tile = c - seg_lo
-        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
+        q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
+                    HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+        tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
         m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head, v_ptr + h.to(tl.int64) * stride_v_head,
                                  stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt,
-                                 first_tok + tile * BLOCK_N, seq_len, num_pages, qk_scale, cap_scale, m, l, acc,
-                                 PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP)
-        # The segment's last tile in this range: store it whole, or as a cut piece.
-        tile_end = tl.minimum(end - seg_lo, n_tiles)
-        if tile == tile_end - 1:
-            if (pos <= seg_lo) & (tile_end == n_tiles):
-                _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale, G, G_PAD, HEAD_DIM,
-                             BLOCK_D, HAS_SINKS, KV_FP8)
-            else:
-                # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
-                _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32),
-                               acc, m, l, v_scale, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
-            m = tl.full([G_PAD], float("-inf"), tl.float32)
-            l = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+                                 first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
+                                 cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
+                                 MULTI_Q, TREE)
+        if DETERMINISTIC:
+            # The chunk's last tile: store it (whole if it is the segment), fresh accumulator after.
+            if ((tile + 1) % chunk == 0) | (tile == n_tiles - 1):
+                if n_tiles <= chunk:
+                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
+                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                else:
+                    _store_partial(o_part_ptr, lse_part_ptr, (chunk_base + tile // chunk) * NUM_KV_HEADS + h, q_len,
+                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                m = tl.full([ROWS], float("-inf"), tl.float32)
+                l = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        else:
+            # The segment's last tile in this range: store it whole, or as a cut piece.
+            tile_end = tl.minimum(end - seg_lo, n_tiles)
+            if tile == tile_end - 1:
+                if (pos <= seg_lo) & (tile_end == n_tiles):
+                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
+                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                else:
+                    # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
+                    _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32), q_len,
+                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                m = tl.full([ROWS], float("-inf"), tl.float32)
+                l = tl.zeros([ROWS], tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     # The loop ended in the range's last segment: cut at its end if it has tiles in and
     # past this range (and did not start before it: then it is the first one, counted).
     last_seg, last_seg_cta, last_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS,
@@ -325,38 +493,49 @@ def decode_stream_kernel(
     if tl.sum((scan_lens == 0).to(tl.int32), 0) > 0:
         for i in range(EMPTY_SCAN):
             if tl.sum(tl.where(tl.arange(0, EMPTY_SCAN) == i, scan_lens, 0), 0) == 0:
-                _store_empty_request(out_ptr, stride_ob, stride_oh, cta + num_ctas * i,
-                                     NUM_KV_HEADS, G, G_PAD, HEAD_DIM, BLOCK_D)
+                _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, cta + num_ctas * i, max_q_len,
+                                     total_q, NUM_KV_HEADS, G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q)
     for r in range(cta + num_ctas * EMPTY_SCAN, batch_size, num_ctas):
         if tl.load(seq_lens_ptr + r) == 0:
-            _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS, G, G_PAD, HEAD_DIM, BLOCK_D)
+            _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q_len, total_q, NUM_KV_HEADS,
+                                 G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q)
     # The arrivals wait for the walk to end: a merge inside the loop would raise its
-    # register pressure past the 128-register cap (spills in the tile loop).
-    if (first_seg >= 0) | (last_seg >= 0):
-        _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
-                          first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
-                          NUM_KV_HEADS, G, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS)
+    # register pressure past the 128-register cap (spills in the tile loop). Deterministic
+    # mode cuts no segment between CTAs (its chunks are merged by merge_units_kernel).
+    if not DETERMINISTIC:
+        if (first_seg >= 0) | (last_seg >= 0):
+            _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
+                              first_seg, first_seg_cta, first_seg_pieces, first_q_start, first_q_len,
+                              last_seg, last_seg_cta, last_seg_pieces, q_start, q_len, total_q,
+                              NUM_KV_HEADS, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS, MULTI_Q)
 
 
 @triton.jit
-def _store_empty_request(out_ptr, stride_ob, stride_oh, r, NUM_KV_HEADS: tl.constexpr, G: tl.constexpr,
-                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[r] = 0: a request of no tokens attends to nothing."""
-    zero_acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    zero_l = tl.zeros([G_PAD], tl.float32)
+def _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q_len, total_q,
+                         NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Request r's rows of out = 0: a request of no tokens attends to nothing."""
+    zero_acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    zero_l = tl.zeros([ROWS], tl.float32)
+    if MULTI_Q:
+        q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, r, r >= 0, 0, max_q_len, MULTI_Q)
+    else:
+        q_start = r
+        q_len = 1
     for h in range(NUM_KV_HEADS):
-        _store_rows(out_ptr, stride_ob, stride_oh, r, h, 0, 0, zero_acc, zero_l, G, G_PAD, HEAD_DIM, BLOCK_D)
+        _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, 0, 0, zero_acc, zero_l, G, ROWS,
+                    HEAD_DIM, BLOCK_D, MULTI_Q)
 
 
 @triton.jit
-def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, row0, d0,
-                  first, count, slot_a, slot_c, slot_first_extra,
-                  G: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                  BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """out[b, h*G + g, d0 : d0 + COLS] for g in [row0, row0 + ROWS) (g < G, columns <
-    HEAD_DIM) = the log-sum-exp merge of partials i = first .. first + count - 1 of those
-    rows and columns, stored at slot a*i + c (+extra for i == first), with the rows' sinks
-    (HAS_SINKS).
+def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h,
+                  row0, d0, first, count, slot_a, slot_c, slot_first_extra,
+                  G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                  COLS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Tile rows row0 .. row0 + ROWS - 1 (those of the segment) and columns d0 .. d0 + COLS -
+    1 (< HEAD_DIM) of a segment's rows of out = the log-sum-exp merge of partials i = first ..
+    first + count - 1 of those rows and columns, stored at slot a*i + c (+extra for i ==
+    first), with the rows' sinks (HAS_SINKS).
 
     A [BLOCK_P partials, ROWS, COLS] tile per step, so a segment cut into many pieces costs
     a few dependent loads, not one per piece; the softmax weights are per (partial, row),
@@ -366,7 +545,7 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks
     offs_p = tl.arange(0, BLOCK_P)
     offs_r = row0 + tl.arange(0, ROWS)
     offs_d = d0 + tl.arange(0, COLS)
-    mask_r = offs_r < G
+    mask_r = offs_r < tl.minimum(_segment_rows(q_len, G, MULTI_Q), SLOT_ROWS)
     mask_d = offs_d < HEAD_DIM
     m = tl.full([ROWS], float("-inf"), tl.float32)
     weight = tl.zeros([ROWS], tl.float32)
@@ -375,7 +554,7 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks
         i = p0 + offs_p
         slot = (slot_a * i + slot_c + tl.where(i == first, slot_first_extra, 0)).to(tl.int64)
         mask_pr = (i < first + count)[:, None] & mask_r[None, :]
-        row_index = slot[:, None] * G + offs_r[None, :]
+        row_index = slot[:, None] * SLOT_ROWS + offs_r[None, :]
         lse = tl.load(lse_part_ptr + row_index, mask=mask_pr, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(o_part_ptr + row_index[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                     mask=mask_pr[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg")
@@ -387,19 +566,22 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks
         weight = weight * alpha + tl.sum(w, 0)
         m = m_new
     if HAS_SINKS:
-        acc, weight = _add_sinks(acc, m, weight, sinks_ptr, h, row0, G, ROWS)
-    _store_rows(out_ptr, stride_ob, stride_oh, b, h, row0, d0, acc, weight, G, ROWS, HEAD_DIM, COLS)
+        acc, weight = _add_sinks(acc, m, weight, sinks_ptr, h, row0, G, ROWS, MULTI_Q)
+    _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, row0, d0, acc, weight, G, ROWS, HEAD_DIM,
+                COLS, MULTI_Q)
 
 
 @triton.jit
 def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
-                      first_seg, first_seg_cta, first_seg_pieces, last_seg, last_seg_cta, last_seg_pieces,
-                      NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      MERGE_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+                      first_seg, first_seg_cta, first_seg_pieces, first_q_start, first_q_len,
+                      last_seg, last_seg_cta, last_seg_pieces, last_q_start, last_q_len, total_q,
+                      NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr,
+                      MULTI_Q: tl.constexpr):
     """Arrive at this CTA's cut segments of few pieces (``first_seg`` / ``last_seg`` =
-    b * Hkv + h, or -1 for none), whose pieces it has stored, and merge into ``out`` each
-    one at which it arrives last. A segment's pieces run on CTAs seg_cta ..
-    seg_cta + pieces - 1; CTA c's is at slot 2c + (c == seg_cta).
+    b * Hkv + h, or -1 for none, with their requests' first q row and q_len), whose pieces
+    it has stored, and merge into ``out`` each one at which it arrives last. A segment's
+    pieces run on CTAs seg_cta .. seg_cta + pieces - 1; CTA c's is at slot 2c + (c == seg_cta).
 
     The arrival counter is ``merge_counters[seg_cta]`` (a CTA is the first CTA of at most
     one cut segment); the last arrival resets it to 0 for the next launch (or graph
@@ -413,6 +595,8 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
     seg = tl.where(lane == 0, first_seg, last_seg)
     seg_cta = tl.where(lane == 0, first_seg_cta, last_seg_cta)
     pieces = tl.where(lane == 0, first_seg_pieces, last_seg_pieces)
+    seg_q_start = tl.where(lane == 0, first_q_start, last_q_start)
+    seg_q_len = tl.where(lane == 0, first_q_len, last_q_len)
     arriving = seg >= 0
     # Every thread's partial stores happen before the (release) arrivals.
     tl.debug_barrier()
@@ -423,35 +607,64 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
         mine = merging & (lane == i)
         if tl.sum(mine.to(tl.int32), 0) > 0:
             segment = tl.sum(tl.where(mine, seg, 0), 0)
-            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, segment // NUM_KV_HEADS,
+            if MULTI_Q:
+                q_start = tl.sum(tl.where(mine, seg_q_start, 0), 0)
+            else:
+                q_start = segment // NUM_KV_HEADS
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
+                          q_start, tl.sum(tl.where(mine, seg_q_len, 0), 0), total_q,
                           segment % NUM_KV_HEADS, 0, 0, tl.sum(tl.where(mine, seg_cta, 0), 0),
-                          tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, HEAD_DIM, MERGE_ROWS, BLOCK_D,
+                          tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, MERGE_ROWS, BLOCK_D,
                           # One partial per step: a step of several reduces across them through
                           # shared memory, slower here than the extra dependent loads.
-                          BLOCK_P=1, HAS_SINKS=HAS_SINKS)
+                          BLOCK_P=1, HAS_SINKS=HAS_SINKS, MULTI_Q=MULTI_Q)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit
+def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h, t,
+                  first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
+    """Helper t of the pieces - 1 programs inside a segment merges its share (``merge_stream_kernel``):
+    rows t, t + (pieces - 1), ... (pieces <= ROW_P), else (row, CHUNK_D columns) items so."""
+    helpers = pieces - 1
+    rows = _segment_rows(q_len, G, MULTI_Q)
+    if pieces <= ROW_P:
+        for row in range(t, rows, helpers):
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
+                          h, row, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS,
+                          MULTI_Q)
+    else:
+        for item in range(t, rows * D_CHUNKS, helpers):
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
+                          h, item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS,
+                          HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+
+
+@triton.jit(do_not_specialize=["window", "total_q"])
 def merge_stream_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr, stride_ob, stride_oh, window,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr, stride_ob,
+    stride_oh, window, total_q,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr,
 ):
     """Grid (C,). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
     are merged inside ``decode_stream_kernel``), with the programs of the CTA boundaries
     inside it: a segment of P pieces holds P - 1 boundaries (CTAs first_cta + 1 ..
     first_cta + P - 1 start inside its tiles), and the t-th of them takes a share of the
-    segment's [G, HEAD_DIM] output sized so that each program takes one or a few steps:
+    segment's [rows, HEAD_DIM] output (rows = G per query token) sized so that each program
+    takes one or a few steps:
 
-    * P <= WHOLE_P: the first one merges all rows in one [WHOLE_P, G_ROWS, BLOCK_D] step;
+    * P <= WHOLE_P (0 when a segment's rows make the step too large): the first one merges
+      all rows in one [WHOLE_P, WHOLE_ROWS, BLOCK_D] step;
     * P <= ROW_P: rows t, t + (P - 1), ..., one [ROW_P, 1, BLOCK_D] step each;
-    * more: items t, t + (P - 1), ... of the G * D_CHUNKS (row, CHUNK_D columns) items
+    * more: items t, t + (P - 1), ... of the rows * D_CHUNKS (row, CHUNK_D columns) items
       (D_CHUNKS = cdiv(HEAD_DIM, CHUNK_D)), each in cdiv(P, CHUNK_P) [CHUNK_P, 1, CHUNK_D] steps.
 
-    The request at boundary j is the one CTA j starts in (``cta_start[j]``). One program
-    per CTA fits in one wave once the decode kernel's CTAs leave.
+    The request at boundary j is the one CTA j starts in (``cta_start[j]``, ``active_req``).
+    One program per CTA fits in one wave once the decode kernel's CTAs leave.
 
     USE_PDL (programmatic dependent launch, sm90): this grid is launched while the decode
     kernel runs; each program finds its segment, then waits (``gdc_wait``) for the decode
@@ -465,10 +678,18 @@ def merge_stream_kernel(
     most_pieces = tl.cdiv(tl.load(plan_scalars_ptr + 3) - 1, piece) + 1
     k = tl.load(cta_start_ptr + 4 * j)
     b = tl.load(cta_start_ptr + 4 * j + 1)
-    _, n_tiles = window_tiles(tl.load(cta_start_ptr + 4 * j + 2), window, BLOCK_N)
+    seq_len = tl.load(cta_start_ptr + 4 * j + 2)
     req_lo = tl.load(cta_start_ptr + 4 * j + 3)
     x = j * piece
     if (j > 0) & (k < num_active) & (most_pieces > FUSED_MERGE_PIECES):
+        if MULTI_Q:
+            q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2)
+            q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3)
+            _, n_tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
+        else:
+            q_start = b
+            q_len = 1
+            _, n_tiles = window_tiles(seq_len, window, BLOCK_N)
         h = (x - req_lo) // n_tiles
         first_tile = req_lo + h * n_tiles
         first_cta, pieces = _segment_span(first_tile, n_tiles, piece)
@@ -477,33 +698,33 @@ def merge_stream_kernel(
                 gdc_wait()
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
             t = j - first_cta - 1
-            helpers = pieces - 1
-            if pieces <= WHOLE_P:
-                if t == 0:
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, 0, 0,
-                                  first_cta, pieces, 2, 0, 1, G, HEAD_DIM, G_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS)
-            elif pieces <= ROW_P:
-                for row in range(t, G, helpers):
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, row, 0,
-                                  first_cta, pieces, 2, 0, 1, G, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS)
+            if WHOLE_P > 0:
+                if pieces <= WHOLE_P:
+                    if t == 0:
+                        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start,
+                                      q_len, total_q, h, 0, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM,
+                                      WHOLE_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q)
+                else:
+                    _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
+                                  total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
+                                  D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q)
             else:
-                for item in range(t, G * D_CHUNKS, helpers):
-                    _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h,
-                                  item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G,
-                                  HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS)
+                _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
+                              total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
+                              D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q)
 
 
-@triton.jit(do_not_specialize=["stride_pt", "window", "num_pages"])
+@triton.jit(do_not_specialize=["stride_pt", "window", "num_pages", "max_q_len", "total_q"])
 def decode_units_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
-    seq_lens_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr, req_tiles_per_split_ptr,
-    num_units_ptr, queue_ptr, sinks_ptr,
+    seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr,
+    req_tiles_per_split_ptr, num_units_ptr, queue_ptr, sinks_ptr, error_ptr,
     stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, num_pages,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, num_pages, max_q_len, total_q,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr,
 ):
     """Unit-queue decode. Unit u = (split j = u // Hkv, head h = u % Hkv); split j is
     split ``unit_split[j]`` of request ``unit_req[j]``.
@@ -512,7 +733,8 @@ def decode_units_kernel(
     both queue words so the next launch (or graph replay) starts from zero.
     Otherwise program u runs unit u, and every request has exactly one split.
     A request with one split writes ``out``; split k of a longer one writes partial
-    slot u, which ``merge_units_kernel`` reads back.
+    slot u, which ``merge_units_kernel`` reads back. Query rows: ``decode_query_rows``
+    (the planner clamped seq_lens and flagged malformed query ranges).
     """
     if PERSISTENT:
         num_units = tl.load(num_units_ptr)
@@ -534,20 +756,30 @@ def decode_units_kernel(
             num_splits = split + 1
             tiles_per_split = split
         seq_len = tl.load(seq_lens_ptr + b)
-        first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
+        q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, b, b >= 0, seq_len, max_q_len, MULTI_Q)
+        if MULTI_Q:
+            if q_start + q_len > total_q:
+                tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+            first_tok, n_tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
+        else:
+            first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
         # split is 0 whenever num_splits is 1, so tile_begin is 0 there.
         tile_begin = split * tiles_per_split
         tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))
-        q = _load_q(q_ptr, stride_qb, stride_qh, b, h, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
+        q = _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h, G, ROWS, HEAD_DIM, BLOCK_D, KV_FP8,
+                    MULTI_Q)
+        tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
         acc, m, l = _attend_tiles(
             q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, first_tok, tile_begin, tile_end, num_pages,
-            qk_scale, cap_scale, PAGE_SIZE, G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, SOFTCAP)
+            page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, q_len, tree, window, first_tok, tile_begin,
+            tile_end, num_pages, qk_scale, cap_scale, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
+            SOFTCAP, MULTI_Q, TREE)
         if num_splits == 1:
-            _store_whole(out_ptr, stride_ob, stride_oh, b, h, acc, m, l, sinks_ptr, v_scale, G, G_PAD, HEAD_DIM,
-                         BLOCK_D, HAS_SINKS, KV_FP8)
+            _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc, m, l, sinks_ptr, v_scale, G,
+                         ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
         else:
-            _store_partial(o_part_ptr, lse_part_ptr, unit, acc, m, l, v_scale, G, G_PAD, HEAD_DIM, BLOCK_D, KV_FP8)
+            _store_partial(o_part_ptr, lse_part_ptr, unit, q_len, acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM,
+                           BLOCK_D, KV_FP8, MULTI_Q)
         if PERSISTENT:
             unit = tl.atomic_add(queue_ptr, 1)
         else:
@@ -559,22 +791,29 @@ def decode_units_kernel(
             tl.atomic_xchg(queue_ptr + 1, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_q_len", "total_q"])
 def merge_units_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, req_splits_ptr, req_split_base_ptr, merge_list_ptr, merge_count_ptr,
-    sinks_ptr, stride_ob, stride_oh,
-    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, cu_seqlens_ptr, req_splits_ptr, req_split_base_ptr,
+    merge_list_ptr, merge_count_ptr, sinks_ptr, stride_ob, stride_oh, max_q_len, total_q,
+    NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+    MULTI_Q: tl.constexpr,
 ):
     """Persistent grid: merge the splits of the requests that have more than one, listed in
-    ``merge_list`` ([>= merge_count] int32). Item i is row i % G of KV head (i // G) % Hkv of
-    request merge_list[i // (G * Hkv)]; split k of (b, h) is at slot (req_split_base[b] + k)
-    * Hkv + h. A batch whose requests all have one split launches programs that find no item."""
-    items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * G)
+    ``merge_list`` ([>= merge_count] int32). Item i is row i % SLOT_ROWS of KV head (i //
+    SLOT_ROWS) % Hkv of request merge_list[i // (SLOT_ROWS * Hkv)] (rows past the request's
+    own are skipped); split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h. A
+    batch whose requests all have one split launches programs that find no item."""
+    items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * SLOT_ROWS)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        b = tl.load(merge_list_ptr + item // (NUM_KV_HEADS * G))
-        h = (item // G) % NUM_KV_HEADS
-        num_splits = tl.load(req_splits_ptr + b)
-        base = tl.load(req_split_base_ptr + b)
-        _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, b, h, item % G, 0, base,
-                      num_splits, NUM_KV_HEADS, h, 0, G, HEAD_DIM, ROWS, BLOCK_D, BLOCK_P, HAS_SINKS)
+        b = tl.load(merge_list_ptr + item // (NUM_KV_HEADS * SLOT_ROWS))
+        h = (item // SLOT_ROWS) % NUM_KV_HEADS
+        row = item % SLOT_ROWS
+        q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, b, b >= 0, tl.load(seq_lens_ptr + b), max_q_len,
+                                              MULTI_Q)
+        if row < _segment_rows(q_len, G, MULTI_Q):
+            num_splits = tl.load(req_splits_ptr + b)
+            base = tl.load(req_split_base_ptr + b)
+            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
+                          h, row, 0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, ROWS, BLOCK_D,
+                          BLOCK_P, HAS_SINKS, MULTI_Q)

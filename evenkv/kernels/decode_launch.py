@@ -1,4 +1,4 @@
-"""Thin launchers for the decode, merge, plan and KV-write kernels.
+"""Thin launchers for the decode, merge and KV-write kernels.
 
 Each launcher sizes the grid, passes strides and compile-time constants, and
 launches; it does not validate (``evenkv.DecodeAttention`` and ``evenkv.write_kv``
@@ -38,44 +38,68 @@ FUSED_MERGE_PIECES = 4
 # that (B > EMPTY_SCAN * C) are scanned one by one.
 EMPTY_SCAN = 16
 
-def group_rows(group_size: int) -> int:
-    """Rows of the packed-GQA tile: G padded to a power of two and to the 16-row MMA minimum."""
-    return max(16, triton.next_power_of_2(group_size))
+
+@dataclass(frozen=True)
+class QueryRows:
+    """How a planned batch's decode rows hold their queries, as the decode kernels take it.
+
+    max_q_len: the most query tokens of one row (1: plain decode, q row b; more: speculative
+    verify rows, q rows from cu_seqlens_q); slot_rows: rows of one partial slot (G x the most
+    query tokens a row of the planning object can have); tree: rows carry tree masks."""
+
+    max_q_len: int
+    slot_rows: int
+    tree: bool = False
+
+    @property
+    def multi_q(self) -> bool:
+        return self.max_q_len > 1
 
 
-def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int) -> dict:
-    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_PAD=group_rows(group_size),
-                HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+def tile_rows(group_size: int, max_q_len: int = 1) -> int:
+    """Rows of the packed tile: G query heads x the query tokens of a row, for q_len rounded up
+    to a power of two (so each bucket of q lengths is one kernel), padded to a power of two and
+    to the 16-row MMA minimum."""
+    return max(16, triton.next_power_of_2(group_size * triton.next_power_of_2(max_q_len)))
 
 
-def merge_units_constants(group_size: int, head_dim: int) -> dict:
-    """The units merge takes one query row per item (a request of many splits is G items
+def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int, query: QueryRows) -> dict:
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, ROWS=tile_rows(group_size, query.max_q_len),
+                SLOT_ROWS=query.slot_rows, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                MULTI_Q=query.multi_q, TREE=query.tree)
+
+
+def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, query: QueryRows) -> dict:
+    """The units merge takes one tile row per item (a request of many splits is SLOT_ROWS items
     per KV head) and reduces [BLOCK_P partials, 1, head dim] tiles of MERGE_TILE elements."""
     block_d = triton.next_power_of_2(head_dim)
-    return dict(G=group_size, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d))
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, HEAD_DIM=head_dim,
+                BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d), MULTI_Q=query.multi_q)
 
 
 def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool,
-                           has_sinks: bool = False) -> dict:
-    """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of
-    MERGE_TILE elements (all rows; one row; one row's MERGE_CHUNK_D columns)."""
+                           query: QueryRows, has_sinks: bool = False) -> dict:
+    """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of at most
+    MERGE_TILE elements (all of a segment's rows, WHOLE_P = 0 where they do not fit; one row;
+    one row's MERGE_CHUNK_D columns)."""
     block_d = triton.next_power_of_2(head_dim)
-    g_rows = triton.next_power_of_2(group_size)
+    whole_rows = triton.next_power_of_2(query.slot_rows)
     chunk_d = min(MERGE_CHUNK_D, block_d)
-    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, G_ROWS=g_rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                WHOLE_P=max(1, min(MERGE_WHOLE_PIECES, MERGE_TILE // (g_rows * block_d))),
+    return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, WHOLE_ROWS=whole_rows,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, WHOLE_P=min(MERGE_WHOLE_PIECES, MERGE_TILE // (whole_rows * block_d)),
                 ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
                 CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
-                USE_PDL=use_pdl, HAS_SINKS=has_sinks)
+                USE_PDL=use_pdl, HAS_SINKS=has_sinks, MULTI_Q=query.multi_q)
 
 
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
-                     use_pdl: bool) -> dict:
+                     use_pdl: bool, query: QueryRows) -> dict:
     """Compile-time constants of ``decode_stream_kernel``. Its own merge takes all of a
-    segment's G rows (MERGE_ROWS, padded to a power of two) of one partial per step."""
-    return dict(_shape_constants(num_kv_heads, group_size, head_dim), PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-                NUM_STAGES=config.num_stages, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES, MERGE_ROWS=triton.next_power_of_2(group_size),
-                EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
+    segment's rows (MERGE_ROWS, a partial slot's rows padded to a power of two) of one
+    partial per step."""
+    return dict(_shape_constants(num_kv_heads, group_size, head_dim, query), PAGE_SIZE=page_size,
+                BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
+                MERGE_ROWS=triton.next_power_of_2(query.slot_rows), EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
 
 
 def _cache_strides(q, k_cache, v_cache, out, page_table):
@@ -111,68 +135,76 @@ class LayerTerms:
                     KV_FP8=k_cache.dtype in FP8_KV_DTYPES)
 
 
-def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table,
-                         active_req, cta_start, plan_scalars, terms: LayerTerms,
-                         num_ctas: int, page_size: int, config, use_pdl: bool, warmup: bool = False):
-    """Persistent balanced decode over ``num_ctas`` CTAs (shapes: see ``decode_stream_kernel``;
-    o_part/lse_part hold 2 * num_ctas slots, merge_counters [num_ctas] int32 zeros).
-    use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start early (sm90)."""
+def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, cu_seqlens, tree,
+                         page_table, schedule, errors, terms: LayerTerms, query: QueryRows, page_size: int, config,
+                         use_pdl: bool, deterministic: bool = False, warmup: bool = False):
+    """Persistent balanced decode over ``schedule.num_ctas`` CTAs (shapes: see
+    ``decode_stream_kernel``; ``schedule`` an ``evenkv.planning.StreamSchedule``; o_part/lse_part
+    hold 2 * num_ctas slots of query.slot_rows rows, or a slot per chunk and KV head when
+    ``deterministic``; merge_counters [num_ctas] int32 zeros; cu_seqlens [B + 1] and tree
+    [total_q] int32). use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start
+    early (sm90)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
+    s = schedule
     return launch_or_compile(
-        decode_stream_kernel, (num_ctas,), warmup,
-        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, page_table, active_req, cta_start,
-        plan_scalars, sinks, *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale,
-        window, q.shape[0], k_cache.shape[0] // page_size,
-        **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl), **terms.constants(k_cache),
-        num_warps=config.num_warps, maxnreg=config.max_registers)
+        decode_stream_kernel, (s.num_ctas,), warmup,
+        q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, cu_seqlens, tree, page_table,
+        s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, sinks, errors,
+        *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window, seq_lens.shape[0],
+        k_cache.shape[0] // page_size, query.max_q_len, q.shape[0],
+        **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl, query), **terms.constants(k_cache),
+        DETERMINISTIC=deterministic, num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
-def launch_merge_stream(o_part, lse_part, out, cta_start, plan_scalars, terms: LayerTerms, num_ctas: int,
-                        num_kv_heads: int, config, use_pdl: bool, warmup: bool = False):
-    """Grid (C,): one program per CTA boundary (see merge_stream_kernel). use_pdl:
+def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, query: QueryRows, num_kv_heads: int,
+                        config, use_pdl: bool, warmup: bool = False):
+    """Grid (C,): one program per CTA boundary of ``schedule`` (see merge_stream_kernel). use_pdl:
     launched as a programmatic dependent of the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
     sinks = terms.sinks if terms.sinks is not None else out
+    s = schedule
     return launch_or_compile(
-        merge_stream_kernel, (num_ctas,), warmup,
-        o_part, lse_part, out, cta_start, plan_scalars, sinks, out.stride(0), out.stride(1), terms.window,
-        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl,
+        merge_stream_kernel, (s.num_ctas,), warmup,
+        o_part, lse_part, out, s.active_req, s.cta_start, s.plan_scalars, sinks, out.stride(0), out.stride(1),
+        terms.window, out.shape[0],
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl, query,
                                  terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
 
-def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
-                        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue,
-                        terms: LayerTerms, grid: int, persistent: bool, page_size: int, config,
+def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu_seqlens, tree, page_table,
+                        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, errors,
+                        terms: LayerTerms, query: QueryRows, grid: int, persistent: bool, page_size: int, config,
                         warmup: bool = False):
     """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     return launch_or_compile(
         decode_units_kernel, (grid,), warmup,
-        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, page_table,
-        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, sinks,
+        q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu_seqlens, tree, page_table,
+        unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, sinks, errors,
         *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window,
-        k_cache.shape[0] // page_size,
-        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim),
+        k_cache.shape[0] // page_size, query.max_q_len, q.shape[0],
+        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim, query),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         PERSISTENT=persistent, **terms.constants(k_cache), num_warps=config.num_warps,
         maxnreg=config.max_registers)
 
 
-def launch_merge_units(o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count,
-                       sinks: torch.Tensor | None, num_kv_heads: int, grid: int, warmup: bool = False):
+def launch_merge_units(o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, req_split_base, merge_list,
+                       merge_count, sinks: torch.Tensor | None, query: QueryRows, num_kv_heads: int, grid: int,
+                       warmup: bool = False):
     """Persistent merge over ``grid`` programs of the requests in merge_list [B] int32
     (merge_count [1] int32 of them; see ``merge_units_kernel``); sinks [Hq] or None."""
     group, head_dim = out.shape[1] // num_kv_heads, out.shape[2]
     return launch_or_compile(
         merge_units_kernel, (grid,), warmup,
-        o_part, lse_part, out, req_splits, req_split_base, merge_list, merge_count,
-        sinks if sinks is not None else out, out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HAS_SINKS=sinks is not None, num_warps=MERGE_NUM_WARPS,
-        **merge_units_constants(group, head_dim))
+        o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, req_split_base, merge_list, merge_count,
+        sinks if sinks is not None else out, out.stride(0), out.stride(1), query.max_q_len, out.shape[0],
+        HAS_SINKS=sinks is not None, num_warps=MERGE_NUM_WARPS,
+        **merge_units_constants(num_kv_heads, group, head_dim, query))
 
 
 def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, k_scale: float = 1.0,

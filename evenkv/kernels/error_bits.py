@@ -10,3 +10,4 @@ LENGTH_OUT_OF_RANGE = tl.constexpr(4)
 QUERY_OUT_OF_RANGE = tl.constexpr(8)
 # Not bad data: deterministic decode met a batch of more tokens than its workspace holds.
 INVARIANCE_LOST = tl.constexpr(16)
+SEQ_LEN_BELOW_Q_LEN = tl.constexpr(32)

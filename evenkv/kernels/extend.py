@@ -46,15 +46,22 @@ a batch of queries can pass 2**31 elements.
 
 Memory safety does not depend on the batch data: query rows are clamped to ``q`` (rows
 ``[0, total_q)``) and lengths to the page table (each sets its bit in the error flag), and
-a page id outside ``[0, num_pages)`` is read as page 0 (that request's result is then
-undefined; ``plan.audit_pages_kernel`` reports it). Per-batch integers are
-``do_not_specialize``, so a server compiles each config once, at start-up.
+a token whose page id lies outside ``[0, num_pages)`` is never read: it is left out of its
+request's attention, as in the decode kernels (``plan.audit_pages_kernel`` reports it). The
+tile loops read such a token at page 0 and note it; a program that noted one attends to the
+cache again with every tile masked, leaving those tokens out, so the common path carries no
+per-key page test. Per-batch integers are ``do_not_specialize``, so a server compiles each
+config once, at start-up.
+
+Odd values: a query whose scores hold a NaN (a NaN in q or in a key it sees) gives NaN, as
+torch's softmax does; a query that sees no key (only possible for inconsistent lengths) and
+has no sink gives zeros.
 """
 
 import triton
 import triton.language as tl
 
-from .error_bits import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+from .error_bits import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, SEQ_LEN_BELOW_Q_LEN
 from .numerics import LOG2E, dot, dot_acc, narrow, soft_cap
 from .plan import query_range
 
@@ -62,16 +69,18 @@ from .plan import query_range
 @triton.jit
 def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page, stride_v_off, num_pages,
                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V row offsets ([BLOCK_N] int64) of the tile's positions ``tile * BLOCK_N + [0,
-    BLOCK_N)`` relative to its source's first position.
+    """(K row offsets, V row offsets, page_ok) of the tile's positions ``tile * BLOCK_N +
+    [0, BLOCK_N)`` relative to its source's first position: offsets [BLOCK_N] int64,
+    page_ok [BLOCK_N] bool.
 
     PAGED (the cache, whose first position is 0): position t is read at ``page_table[t //
     PAGE_SIZE] * stride_page + (t % PAGE_SIZE) * stride_off``. Page sizes and BLOCK_N are
     powers of two, so a tile is whole pages (its in-page offsets do not depend on the
     tile: the compiler hoists them out of the loop) or part of one page (one page-table
     entry). MASKED: entries are read only where in_range (None for unmasked tiles, known
-    to be in range). A page id outside [0, num_pages) is read as page 0 (the plan's page
-    audit reports it). Not PAGED (k_new / v_new rows): row t at ``t * stride_page``.
+    to be in range). page_ok: the page id lies in [0, num_pages); the offsets of a position
+    on any other page point at page 0, so they never leave the cache. Not PAGED (k_new /
+    v_new rows): row t at ``t * stride_page``, page_ok all true.
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PAGED:
@@ -85,21 +94,23 @@ def _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride
             page = tl.load(page_row_ptr + entry, mask=in_range, other=0)
         else:
             page = tl.load(page_row_ptr + entry)
-        page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages, page, 0).to(tl.int64)
-        return page * stride_k_page + in_page * stride_k_off, page * stride_v_page + in_page * stride_v_off
+        # One unsigned compare covers negative ids too.
+        page_ok = page.to(tl.uint32, bitcast=True) < num_pages
+        page = tl.where(page_ok, page, 0).to(tl.int64)
+        return page * stride_k_page + in_page * stride_k_off, page * stride_v_page + in_page * stride_v_off, page_ok
     else:
         rel = (tile * BLOCK_N + offs_n).to(tl.int64)
-        return rel * stride_k_page, rel * stride_v_page
+        return rel * stride_k_page, rel * stride_v_page, offs_n >= 0
 
 
 @triton.jit
-def _load_rows(base, row_off, in_range, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``base + row_off`` ([BLOCK_N] int64 offsets) -> [BLOCK_N, BLOCK_D]; rows out of
-    range (MASKED only) and padded dims (D = 80, 96) load as 0."""
+def _load_rows(base, row_off, keys, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``base + row_off`` ([BLOCK_N] int64 offsets) -> [BLOCK_N, BLOCK_D]; rows outside
+    keys ([BLOCK_N] bool, MASKED only) and padded dims (D = 80, 96) load as 0."""
     offs_d = tl.arange(0, BLOCK_D)
     ptrs = base + row_off[:, None] + offs_d[None, :]
     if MASKED:
-        return tl.load(ptrs, mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        return tl.load(ptrs, mask=keys[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     elif HEAD_DIM == BLOCK_D:
         return tl.load(ptrs)
     else:
@@ -107,14 +118,14 @@ def _load_rows(base, row_off, in_range, MASKED: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, p_div,
+def _online_softmax(s, m, l, tok, keys, row_pos, window, qk_scale, cap_scale, p_div,
                     MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr):
     """One online-softmax step on raw scores s [BLOCK_M, BLOCK_N] fp32 = q . k.
 
     Base-2 scores are s * qk_scale or, with SOFTCAP, ``soft_cap(s, qk_scale, cap_scale)``.
-    MASKED: key tok[j] is seen by row r iff in_range[j], tok[j] <= row_pos[r] and
-    (WINDOW) tok[j] > row_pos[r] - window; unmasked tiles are known to satisfy all three
-    (tok, in_range, row_pos and window are then unused).
+    MASKED: key tok[j] is seen by row r iff keys[j], tok[j] <= row_pos[r] and (WINDOW)
+    tok[j] > row_pos[r] - window; unmasked tiles are known to satisfy all three (tok,
+    keys, row_pos and window are then unused).
     Returns p [BLOCK_M, BLOCK_N] (unnormalised probabilities, base 2; divided by the host
     float p_div with P_DIV), alpha [BLOCK_M] (the rescale of the old accumulator), and the
     new m, l [BLOCK_M] fp32 (l sums the undivided p).
@@ -122,7 +133,7 @@ def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale
     if SOFTCAP:
         s = soft_cap(s, qk_scale, cap_scale)
     if MASKED:
-        seen = in_range[None, :] & (tok[None, :] <= row_pos[:, None])
+        seen = keys[None, :] & (tok[None, :] <= row_pos[:, None])
         if WINDOW:
             seen = seen & (tok[None, :] > row_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
@@ -155,10 +166,10 @@ def _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale
 
 @triton.jit
 def _attend_tiles(
-    acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
+    acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
     page_row_ptr, num_pages, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale, p_div,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, SKIP_BAD_PAGES: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, BLOCK_D] against tiles [tile_begin, tile_end).
@@ -166,26 +177,32 @@ def _attend_tiles(
     Tile t holds KV positions tok_base + t*BLOCK_N + [0, BLOCK_N), addressed as in
     ``_tile_rows``; MASKED tiles are masked as in ``_online_softmax``, the others are
     seen in full by every row (the bulk of a long prefill, run without mask arithmetic).
-    K/V tiles of another dtype (FP8) are widened to q's dtype. Scores, p_div and P_DIV as
-    in ``_online_softmax``.
-    Returns the updated (acc [BLOCK_M, BLOCK_D] fp32 unnormalised, m, l [BLOCK_M] fp32).
+    A position on a page outside the cache (PAGED) is left out with SKIP_BAD_PAGES (MASKED
+    tiles only); otherwise it is read at page 0 and recorded in bad ([BLOCK_N] bool, ORed
+    over the tiles). K/V tiles of another dtype (FP8) are widened to q's dtype. Scores,
+    p_div and P_DIV as in ``_online_softmax``.
+    Returns the updated (acc [BLOCK_M, BLOCK_D] fp32 unnormalised, m, l [BLOCK_M] fp32, bad).
     """
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         if MASKED:
             tok = tok_base + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            in_range = tok < kv_end
+            keys = tok < kv_end
         else:
             tok = None
-            in_range = None
-        k_off, v_off = _tile_rows(page_row_ptr, tile, in_range, stride_k_page, stride_k_off, stride_v_page,
-                                  stride_v_off, num_pages, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
-        k = _load_rows(k_base, k_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
+            keys = None
+        k_off, v_off, page_ok = _tile_rows(page_row_ptr, tile, keys, stride_k_page, stride_k_off, stride_v_page,
+                                           stride_v_off, num_pages, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
+        if SKIP_BAD_PAGES:
+            keys = keys & page_ok
+        elif PAGED:
+            bad = bad | ~page_ok
+        k = _load_rows(k_base, k_off, keys, MASKED, HEAD_DIM, BLOCK_D)
         s = dot(q, tl.trans(k.to(q.dtype)))
-        p, alpha, m, l = _online_softmax(s, m, l, tok, in_range, row_pos, window, qk_scale, cap_scale, p_div,
+        p, alpha, m, l = _online_softmax(s, m, l, tok, keys, row_pos, window, qk_scale, cap_scale, p_div,
                                          MASKED, WINDOW, SOFTCAP, P_DIV)
-        v = _load_rows(v_base, v_off, in_range, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base, v_off, keys, MASKED, HEAD_DIM, BLOCK_D)
         acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
-    return acc, m, l
+    return acc, m, l, bad
 
 
 @triton.jit
@@ -204,26 +221,37 @@ def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
 def _attend_source(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
     page_row_ptr, num_pages, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale, p_div,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SKIP_BAD_PAGES: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Attend to positions [lo, hi) of one source (relative to its first position
     tok_base): masked tiles, then the tiles inside [full_lo, full_hi) without masks, then
-    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``)."""
+    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``); with SKIP_BAD_PAGES
+    every tile masked, leaving out the positions on pages outside the cache.
+    Returns (acc, m, l, whether a position on a page outside the cache was read as page 0)."""
     t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
-    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, num_pages, row_pos, tok_base, t0, t1, kv_end, window, qk_scale,
-                              cap_scale, p_div, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
-                              BLOCK_N, NUM_STAGES)
-    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, num_pages, row_pos, tok_base, t1, t2, kv_end, window, qk_scale,
-                              cap_scale, p_div, PAGED, PAGE_SIZE, False, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
-                              BLOCK_N, NUM_STAGES)
-    acc, m, l = _attend_tiles(acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
-                              page_row_ptr, num_pages, row_pos, tok_base, t2, t3, kv_end, window, qk_scale,
-                              cap_scale, p_div, PAGED, PAGE_SIZE, True, WINDOW, SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D,
-                              BLOCK_N, NUM_STAGES)
-    return acc, m, l
+    bad = tl.zeros([BLOCK_N], tl.int1)
+    if SKIP_BAD_PAGES:
+        # Bad batch data only: one stage, so this loop's registers do not crowd the common path's.
+        acc, m, l, bad = _attend_tiles(acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page,
+                                       stride_v_off, page_row_ptr, num_pages, row_pos, tok_base, t0, t3, kv_end,
+                                       window, qk_scale, cap_scale, p_div, PAGED, PAGE_SIZE, True, True, WINDOW,
+                                       SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D, BLOCK_N, 1)
+    else:
+        acc, m, l, bad = _attend_tiles(acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page,
+                                       stride_v_off, page_row_ptr, num_pages, row_pos, tok_base, t0, t1, kv_end,
+                                       window, qk_scale, cap_scale, p_div, PAGED, PAGE_SIZE, True, False, WINDOW,
+                                       SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+        acc, m, l, bad = _attend_tiles(acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page,
+                                       stride_v_off, page_row_ptr, num_pages, row_pos, tok_base, t1, t2, kv_end,
+                                       window, qk_scale, cap_scale, p_div, PAGED, PAGE_SIZE, False, False, WINDOW,
+                                       SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+        acc, m, l, bad = _attend_tiles(acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page,
+                                       stride_v_off, page_row_ptr, num_pages, row_pos, tok_base, t2, t3, kv_end,
+                                       window, qk_scale, cap_scale, p_div, PAGED, PAGE_SIZE, True, False, WINDOW,
+                                       SOFTCAP, P_DIV, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+    return acc, m, l, tl.max(bad.to(tl.int32), 0) > 0
 
 
 @triton.jit(do_not_specialize=["batch_size", "req_begin", "capacity", "window", "total_q", "max_q_len", "num_pages",
@@ -250,9 +278,9 @@ def extend_kernel(
     k_scale, v_scale: the FP8 cache's dequantization scales (KV_FP8); capacity = max_pages *
     PAGE_SIZE bounds every cache position read; num_pages: pages in the caches. A request's
     q_len is clamped to [0, max_q_len] (as the plan counts its blocks) and its rows to [0,
-    total_q) (QUERY_OUT_OF_RANGE); seq_len to [q_len, capacity (+ q_len with HAS_NEW)], so
-    every query has a position and every cache position read lies in the page table
-    (LENGTH_OUT_OF_RANGE).
+    total_q) (QUERY_OUT_OF_RANGE); seq_len is raised to q_len (SEQ_LEN_BELOW_Q_LEN) and
+    clamped to capacity (+ q_len with HAS_NEW; LENGTH_OUT_OF_RANGE), so every query has a
+    position and every cache position read lies in the page table.
     """
     pid = tl.program_id(0)
     h = pid % NUM_KV_HEADS
@@ -282,7 +310,9 @@ def extend_kernel(
         else:
             max_len = capacity
         seq_len = tl.minimum(tl.maximum(raw_len, q_len), tl.maximum(max_len, q_len)).to(tl.int32)
-        if (raw_len < q_len) | (raw_len > max_len):
+        if raw_len < q_len:
+            tl.atomic_or(error_ptr, SEQ_LEN_BELOW_Q_LEN, sem="relaxed")
+        if raw_len > max_len:
             tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
         prefix = seq_len - q_len
         block = n_blocks - 1 - local  # heaviest block first
@@ -333,10 +363,21 @@ def extend_kernel(
         k_head = k_ptr + h.to(tl.int64) * stride_k_head
         v_head = v_ptr + h.to(tl.int64) * stride_v_head
         c_hi = tl.minimum(kv_hi, cache_end)
-        acc, m, l = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
-                                   stride_v_off, page_row, num_pages, row_pos, 0, kv_lo, c_hi, full_lo,
-                                   full_hi, cache_end, window, cache_qk_scale, cap_scale, 1.0, True, PAGE_SIZE, WINDOW,
-                                   SOFTCAP, False, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES)
+        acc, m, l, bad_page = _attend_source(acc, m, l, q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
+                                             stride_v_off, page_row, num_pages, row_pos, 0, kv_lo, c_hi, full_lo,
+                                             full_hi, cache_end, window, cache_qk_scale, cap_scale, 1.0, True,
+                                             PAGE_SIZE, False, WINDOW, SOFTCAP, False, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                             NUM_STAGES)
+        if bad_page:
+            # A page id outside the cache (bad batch data; the page audit flags it) was read as
+            # page 0: attend to the cache again, leaving that page's tokens out. Only then, so
+            # the common path carries no per-key page test.
+            acc, m, l, _ = _attend_source(
+                tl.zeros([BLOCK_M, BLOCK_D], tl.float32), tl.full([BLOCK_M], float("-inf"), tl.float32),
+                tl.zeros([BLOCK_M], tl.float32), q, k_head, v_head, stride_k_page, stride_k_off, stride_v_page,
+                stride_v_off, page_row, num_pages, row_pos, 0, kv_lo, c_hi, full_lo, full_hi, cache_end, window,
+                cache_qk_scale, cap_scale, 1.0, True, PAGE_SIZE, True, WINDOW, SOFTCAP, False, HEAD_DIM, BLOCK_D,
+                BLOCK_N, NUM_STAGES)
         if HAS_NEW:
             # Source 2: the new tokens, positions [prefix, seq_len) = rows of k_new/v_new (q's
             # dtype, real values). With KV_FP8, acc holds the cache's V in stored units (v_scale
@@ -346,11 +387,11 @@ def extend_kernel(
             # fit q's dtype (fp16: v_scale > 2**-16).
             kn = k_new_ptr + q_begin.to(tl.int64) * stride_knt + h.to(tl.int64) * stride_knh
             vn = v_new_ptr + q_begin.to(tl.int64) * stride_vnt + h.to(tl.int64) * stride_vnh
-            acc, m, l = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, num_pages,
-                                       row_pos, prefix, tl.maximum(kv_lo - prefix, 0), kv_hi - prefix,
-                                       full_lo - prefix, full_hi - prefix, seq_len, window, qk_scale, cap_scale,
-                                       v_scale, False, PAGE_SIZE, WINDOW, SOFTCAP, KV_FP8, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                       NUM_STAGES)
+            acc, m, l, _ = _attend_source(acc, m, l, q, kn, vn, stride_knt, 0, stride_vnt, 0, page_row, num_pages,
+                                          row_pos, prefix, tl.maximum(kv_lo - prefix, 0), kv_hi - prefix,
+                                          full_lo - prefix, full_hi - prefix, seq_len, window, qk_scale, cap_scale,
+                                          v_scale, False, PAGE_SIZE, False, WINDOW, SOFTCAP, KV_FP8, HEAD_DIM, BLOCK_D,
+                                          BLOCK_N, NUM_STAGES)
 
         if HAS_SINKS:
             # The sink joins the denominator in base 2; both terms are rescaled to max(m, sink)
@@ -362,10 +403,12 @@ def extend_kernel(
             alpha = tl.exp2(m - top)
             acc = acc * alpha[:, None]
             l = l * alpha + tl.exp2(sink - top)
-        # A row that saw no key (only possible for inconsistent lengths) is written as zeros.
-        safe_l = tl.where(l > 0, l, 1.0)
+        # A row that saw no key (only possible for inconsistent lengths) and no sink has l = 0:
+        # it is written as zeros. A NaN score leaves l NaN, and the row NaN (torch's softmax).
+        no_key = l == 0.0
+        safe_l = tl.where(no_key, 1.0, l)
         if KV_FP8:
             safe_l = safe_l / v_scale  # acc holds V in stored units
-        o = tl.where(l[:, None] > 0, acc / safe_l[:, None], 0.0)
+        o = tl.where(no_key[:, None], 0.0, acc / safe_l[:, None])
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :],
                  narrow(o, out_ptr.dtype.element_ty), mask=row_mask)

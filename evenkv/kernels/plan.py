@@ -6,21 +6,24 @@ schedule, writes from device ``seq_lens``, with no host sync and into preallocat
 * ``plan_seq_lens [B] int32``   lengths clamped to [0, capacity] (the page table's
   reach), so the decode kernel can never index past a page-table row; a length that
   needed the clamp sets LENGTH_OUT_OF_RANGE in the error flag;
-* ``active_req [B, 2] int32``  the non-empty requests in batch order, each as (batch
-  index, clamped length): the decode kernel walks this list, so it never steps over empty
-  requests one by one, and reads a request's index and length in two independent loads
-  (not a length load that waits for the index load);
+* ``active_req [B, 4] int32``  the non-empty requests in batch order, each as (batch
+  index, clamped length, first q row, q_len): the decode kernel walks this list, so it
+  never steps over empty requests one by one, and reads a request's fields in independent
+  loads (not a length load that waits for the index load). Query rows come from
+  ``cu_seqlens [B + 1]`` (``decode_query_rows``): a speculative-verify row (MULTI_Q) has
+  q_len 1..max_q_len tokens; a plain decode row's query is q row b;
 * ``cta_start [C, 4] int32``  where CTA c starts walking: the first request whose cost
   range ends after ``c * piece``, as (its index into ``active_req``, its batch index,
   its clamped length, its cost start); (active count, B, 0, total) for a CTA past the
   end. The decode kernel reads these with its other scalars in one round trip instead
   of a chain of three dependent loads;
-* ``plan_scalars [4] int32``  (piece, total, number of active requests, the most tiles
-  of one request's segment) with ``piece = max(ceil(total / C), 1)``.
+* ``plan_scalars [5] int32``  (piece, total, number of active requests, the most tiles
+  of one request's segment, the end of the last query row) with ``piece = max(ceil(total /
+  C), 1)``; the decode kernel checks the last against the rows of q it is given.
 
 Worked example (Hkv = 1, BLOCK_N = 16, C = 4):
 seq_lens = [100, 0, 20] -> tiles [7, 0, 2] -> costs [7, 0, 2], total 9, piece 3,
-cost starts [0, 7, 7]; active_req = [[0, 100], [2, 20]]; CTA starts at cost 0, 3, 6, 9
+cost starts [0, 7, 7]; active_req = [[0, 100, 0, 1], [2, 20, 2, 1]]; CTA starts at cost 0, 3, 6, 9
 -> cta_start = [[0, 0, 100, 0], [0, 0, 100, 0], [0, 0, 100, 0], [2, 3, 0, 9]]
 (request 1 is empty and never visited; CTA 3 starts past the end).
 
@@ -28,7 +31,8 @@ Requests lie end to end on one cost line: a request of n tiles costs ``Hkv * n``
 start is the exclusive prefix sum. With a sliding window W (``window`` > 0) a request's
 tiles are those of its last min(seq_len, W) tokens, counted from the window's first token
 (``window_tiles``): a 128K-token request under a 128-token window costs the tiles of 128
-tokens, so windowed layers stay balanced.
+tokens, so windowed layers stay balanced. A verify row of q_len tokens costs the tiles of its
+``row_window``: its tile count, like its bytes, does not grow with q_len.
 
 Each program recomputes the (cheap, L2-resident) prefix sum and answers BLOCK_C CTAs
 by counting ``req_cost_end <= c * piece`` instead of a serial binary search. Requests end
@@ -39,113 +43,256 @@ count of ended ones, and its length and cost start are read off the same compare
 import triton
 import triton.language as tl
 
-from .error_bits import LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+from .error_bits import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+
+# active_req's fields per request: batch index, clamped length, first q row, q_len, and in
+# deterministic mode its chunk (tiles) and first chunk.
+ACTIVE_REQ_FIELDS = tl.constexpr(6)
 
 
 @triton.jit
 def window_tiles(seq_len, window, BLOCK_N: tl.constexpr):
     """(first visible token, tiles of visible tokens) of a decode row of ``seq_len`` tokens:
-    with a sliding window (``window`` W > 0) it sees its last min(seq_len, W) tokens, else all."""
+    with a sliding window (``window`` W > 0) it sees its last min(seq_len, W) tokens, else all.
+    A row of q_len query tokens passes ``row_window(window, q_len)``."""
     visible = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)
     return seq_len - visible, tl.cdiv(visible, BLOCK_N)
 
 
 @triton.jit
-def _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """(clamped length, cost, in batch, how many lengths needed the clamp) of requests ``offs``."""
+def row_window(window, q_len):
+    """The window of keys a decode row of ``q_len`` query tokens reads as a whole: its first
+    token sees W keys ending at itself, its last one q_len - 1 more (0 = no window)."""
+    return tl.where(window > 0, window + tl.maximum(q_len, 1) - 1, 0)
+
+
+@triton.jit
+def decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q: tl.constexpr):
+    """(first q row, q_len, whether the query range is malformed) of decode requests ``offs``.
+
+    MULTI_Q (speculative verify): q_len = cu[b + 1] - cu[b], clamped to [0, min(max_q_len,
+    seq_len)] (the new tokens are among the keys; a padding row, seq_len 0, keeps up to
+    max_q_len rows, which get zeros); a row starting before q row 0 gets q_len 0.
+    Plain decode: request b's query is q row b; a q_len other than 1 (0 for padding rows) is
+    malformed. Either way a malformed range is reported, never run as something else."""
+    q_start = tl.load(cu_seqlens_ptr + offs, mask=mask, other=0)
+    raw = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0) - q_start
+    if MULTI_Q:
+        cap = tl.where(seq_len > 0, tl.minimum(max_q_len, seq_len), max_q_len)
+        q_len = tl.minimum(tl.maximum(raw, 0), cap)
+        q_len = tl.where(q_start >= 0, q_len, 0)
+        bad = mask & ((q_len != raw) | (q_start < 0))
+    else:
+        q_len = tl.where(raw == 1, 1, 0)
+        bad = mask & ((raw > 1) | (raw < 0))
+        q_start = offs
+    return q_start.to(tl.int32), q_len.to(tl.int32), bad
+
+
+@triton.jit
+def _request_cost(seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MULTI_Q: tl.constexpr):
+    """(clamped length, cost, in batch, first q row, q_len, how many lengths needed the clamp,
+    how many query ranges are malformed) of requests ``offs``. A row with no query token
+    costs nothing (MULTI_Q)."""
     mask = offs < batch_size
     # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
     raw = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
     seq_len = tl.minimum(tl.maximum(raw, 0), capacity).to(tl.int32)
-    _, tiles = window_tiles(seq_len, window, BLOCK_N)
-    return seq_len, tiles * NUM_KV_HEADS, mask, tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
+    q_start, q_len, bad_q = decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q)
+    if MULTI_Q:
+        _, tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
+        tiles = tl.where(q_len > 0, tiles, 0)
+    else:
+        _, tiles = window_tiles(seq_len, window, BLOCK_N)
+    bad_len = tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
+    return seq_len, tiles * NUM_KV_HEADS, mask, q_start, q_len, bad_len, tl.sum(bad_q.to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window"])
-def plan_stream_kernel(
-    seq_lens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, error_ptr,
-    batch_size, capacity, window, num_ctas,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    pid = tl.program_id(0)
+@triton.jit
+def chunk_tiles(tiles, fit, MIN_CHUNK_TILES: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """Deterministic mode's chunk of a segment of ``tiles`` tiles: at least MIN_CHUNK_TILES, at
+    most MAX_CHUNKS chunks, a function of the request's own length (``fit`` is 0 unless the
+    batch overflows the partial workspace; then a chunk of the batch's total, see
+    ``plan_stream_kernel``). Example (MIN 8, MAX 128): 100 tiles -> 8 (13 chunks); 8192 -> 64."""
+    return tl.maximum(tl.maximum(tl.cdiv(tiles, MAX_CHUNKS), MIN_CHUNK_TILES), fit)
+
+
+@triton.jit
+def _count_starts(seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                  BLOCK_C: tl.constexpr, MULTI_Q: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
+                  MAX_CHUNKS: tl.constexpr):
+    """For each cost-line position in ``positions`` ([BLOCK_C]), the request it falls in (the
+    first whose cost range ends after it): (its index among the active requests, batch index,
+    clamped length, cost start, tiles of one segment, deterministic chunk). Requests end in
+    batch order, so the ended ones are a prefix: the first request still open is the count
+    of ended ones, and its fields are read off the same compare tile."""
     offs_b = tl.arange(0, BLOCK_B)
-    total = tl.zeros([], tl.int32)
-    max_cost = tl.zeros([], tl.int32)
-    clamped = tl.zeros([], tl.int32)
-    for start in range(0, batch_size, BLOCK_B):
-        seq_len, cost, _, bad = _request_cost(seq_lens_ptr, start + offs_b, batch_size, capacity, window,
-                                              NUM_KV_HEADS, BLOCK_N)
-        total += tl.sum(cost, 0)
-        max_cost = tl.maximum(max_cost, tl.max(cost, 0))
-        clamped += bad
-    piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
-
-    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    cta_pos = offs_c * piece
     first_active = tl.zeros([BLOCK_C], tl.int32)
     first_req = tl.zeros([BLOCK_C], tl.int32)
     first_len = tl.zeros([BLOCK_C], tl.int32)
     first_cost_start = tl.zeros([BLOCK_C], tl.int32)
+    first_tiles = tl.zeros([BLOCK_C], tl.int32)
     carry = tl.zeros([], tl.int32)
-    active_carry = tl.zeros([], tl.int32)
-    writer = pid == 0
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        seq_len, cost, mask, _ = _request_cost(seq_lens_ptr, offs, batch_size, capacity, window, NUM_KV_HEADS,
-                                               BLOCK_N)
+        seq_len, cost, mask, _, _, _, _ = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len, NUM_KV_HEADS, BLOCK_N,
+            MULTI_Q)
         cost_end = tl.cumsum(cost, 0) + carry
-        cost_start = cost_end - cost
-        tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
-        active = cost > 0
-        rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
-        tl.store(active_req_ptr + 2 * rank, offs, mask=active & writer)
-        tl.store(active_req_ptr + 2 * rank + 1, seq_len, mask=active & writer)
-        ended = (cost_end[None, :] <= cta_pos[:, None]) & mask[None, :]
-        first_active += tl.sum((ended & active[None, :]).to(tl.int32), 1)
+        ended = (cost_end[None, :] <= positions[:, None]) & mask[None, :]
+        first_active += tl.sum((ended & (cost > 0)[None, :]).to(tl.int32), 1)
         first_req += tl.sum(ended.to(tl.int32), 1)
         # The first open request is request first_req once every chunk is counted; it
         # is in this chunk iff it is there after this chunk's count.
         is_first = (offs[None, :] == first_req[:, None]) & mask[None, :]
         first_len += tl.sum(tl.where(is_first, seq_len[None, :], 0), 1)
-        first_cost_start += tl.sum(tl.where(is_first, cost_start[None, :], 0), 1)
+        first_cost_start += tl.sum(tl.where(is_first, (cost_end - cost)[None, :], 0), 1)
+        first_tiles += tl.sum(tl.where(is_first, (cost // NUM_KV_HEADS)[None, :], 0), 1)
         carry += tl.sum(cost, 0)
-        active_carry += tl.sum(active.to(tl.int32), 0)
     first_cost_start = tl.where(first_req < batch_size, first_cost_start, total)
+    return (first_active, first_req, first_len, first_cost_start, first_tiles,
+            chunk_tiles(first_tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS))
+
+
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "chunk_capacity"])
+def plan_stream_kernel(
+    seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr, plan_scalars_ptr,
+    req_chunks_ptr, req_chunk_base_ptr, merge_list_ptr, merge_count_ptr, error_ptr,
+    batch_size, capacity, window, max_q_len, num_ctas, chunk_capacity,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+    MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+):
+    """The balanced plan (module docstring). DETERMINISTIC: every segment is cut into chunks of
+    ``chunk_tiles`` (a function of its own length), which the decode kernel walks and stores one
+    by one, and CTA starts are moved up to the next chunk boundary, so no CTA range cuts a
+    chunk: a request's partials, and their merge, are then the same bits whatever else is in
+    the batch. Per request it also writes its chunk count and first chunk (``req_chunks``,
+    ``req_chunk_base`` [B] int32; a chunk's partial slot is (base + chunk) * Hkv + head) and
+    the compact list of requests of several chunks (``merge_list`` [B] int32, ``merge_count``
+    [1]), for ``decode.merge_units_kernel``. A batch of more chunks than the workspace holds
+    (``chunk_capacity``; only where requests share prefix pages) takes larger chunks from its
+    total tiles, still correct but no longer invariant: INVARIANCE_LOST is set. ``cta_pos``
+    [C + 1] int32: where each CTA starts (and the total)."""
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    total = tl.zeros([], tl.int32)
+    max_cost = tl.zeros([], tl.int32)
+    clamped = tl.zeros([], tl.int32)
+    malformed = tl.zeros([], tl.int32)
+    rows_end = tl.zeros([], tl.int32)
+    chunks_total = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        _, cost, _, q_start, q_len, bad_len, bad_q = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, start + offs_b, batch_size, capacity, window, max_q_len, NUM_KV_HEADS,
+            BLOCK_N, MULTI_Q)
+        total += tl.sum(cost, 0)
+        max_cost = tl.maximum(max_cost, tl.max(cost, 0))
+        clamped += bad_len
+        malformed += bad_q
+        rows_end = tl.maximum(rows_end, tl.max(tl.where(q_len > 0, q_start + q_len, 0), 0))
+        if DETERMINISTIC:
+            tiles = cost // NUM_KV_HEADS
+            chunks_total += tl.sum(tl.cdiv(tiles, chunk_tiles(tiles, 0, MIN_CHUNK_TILES, MAX_CHUNKS)), 0)
+    piece = tl.maximum(tl.cdiv(total, num_ctas), 1)
+    overflow = chunks_total > chunk_capacity
+    # Chunks of the batch's total tiles fit the workspace (sum cdiv(n_b, c) <= total / c + B).
+    room = tl.maximum(chunk_capacity - batch_size, 1)
+    fit = tl.where(overflow, tl.cdiv(total // NUM_KV_HEADS, room), 0)
+
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    positions = tl.minimum(offs_c * piece, total)
+    writer = pid == 0
+    active_carry = tl.zeros([], tl.int32)
+    chunk_carry = tl.zeros([], tl.int32)
+    merge_carry = tl.zeros([], tl.int32)
+    for start in range(0, batch_size, BLOCK_B):
+        offs = start + offs_b
+        seq_len, cost, mask, q_start, q_len, _, _ = _request_cost(
+            seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, window, max_q_len, NUM_KV_HEADS, BLOCK_N,
+            MULTI_Q)
+        tl.store(plan_seq_lens_ptr + offs, seq_len, mask=mask & writer)
+        active = cost > 0
+        rank = tl.cumsum(active.to(tl.int32), 0) - 1 + active_carry
+        row = active_req_ptr + ACTIVE_REQ_FIELDS * rank
+        tl.store(row, offs, mask=active & writer)
+        tl.store(row + 1, seq_len, mask=active & writer)
+        tl.store(row + 2, q_start, mask=active & writer)
+        tl.store(row + 3, q_len, mask=active & writer)
+        if DETERMINISTIC:
+            tiles = cost // NUM_KV_HEADS
+            chunk = chunk_tiles(tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS)
+            chunks = tl.cdiv(tiles, chunk)
+            chunk_base = tl.cumsum(chunks, 0) - chunks + chunk_carry
+            tl.store(row + 4, chunk, mask=active & writer)
+            tl.store(row + 5, chunk_base, mask=active & writer)
+            tl.store(req_chunks_ptr + offs, chunks, mask=mask & writer)
+            tl.store(req_chunk_base_ptr + offs, chunk_base, mask=mask & writer)
+            several = chunks > 1
+            merge_rank = tl.cumsum(several.to(tl.int32), 0) - 1 + merge_carry
+            tl.store(merge_list_ptr + merge_rank, offs, mask=several & writer)
+            chunk_carry += tl.sum(chunks, 0)
+            merge_carry += tl.sum(several.to(tl.int32), 0)
+        active_carry += tl.sum(active.to(tl.int32), 0)
+    first_active, first_req, first_len, first_cost_start, first_tiles, first_chunk = _count_starts(
+        seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit, NUM_KV_HEADS,
+        BLOCK_N, BLOCK_B, BLOCK_C, MULTI_Q, MIN_CHUNK_TILES, MAX_CHUNKS)
+    if DETERMINISTIC:
+        # Move each start up to its segment's next chunk boundary (the segment's end at most,
+        # which is where the next segment starts), then find the request it falls in.
+        seg_lo = first_cost_start + (positions - first_cost_start) // tl.maximum(first_tiles, 1) * first_tiles
+        inside = tl.cdiv(positions - seg_lo, first_chunk) * first_chunk
+        positions = tl.where(first_req < batch_size, seg_lo + tl.minimum(inside, first_tiles), total)
+        first_active, first_req, first_len, first_cost_start, _, _ = _count_starts(
+            seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit,
+            NUM_KV_HEADS, BLOCK_N, BLOCK_B, BLOCK_C, MULTI_Q, MIN_CHUNK_TILES, MAX_CHUNKS)
     cta_mask = offs_c < num_ctas
     tl.store(cta_start_ptr + 4 * offs_c, first_active, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 1, first_req, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 2, first_len, mask=cta_mask)
     tl.store(cta_start_ptr + 4 * offs_c + 3, first_cost_start, mask=cta_mask)
+    tl.store(cta_pos_ptr + offs_c, positions, mask=cta_mask)
     if writer & (clamped > 0):
         tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
+    if writer & (malformed > 0):
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+    if writer & overflow:
+        tl.atomic_or(error_ptr, INVARIANCE_LOST, sem="relaxed")
     if writer:
+        tl.store(cta_pos_ptr + num_ctas, total)
         tl.store(plan_scalars_ptr, piece)
         tl.store(plan_scalars_ptr + 1, total)
         tl.store(plan_scalars_ptr + 2, active_carry)
         tl.store(plan_scalars_ptr + 3, max_cost // NUM_KV_HEADS)
+        tl.store(plan_scalars_ptr + 4, rows_end)
+        if DETERMINISTIC:
+            tl.store(merge_count_ptr, merge_carry)
 
 
 @triton.jit
-def _used_entries(seq_lens_ptr, offs, mask, capacity, window, PAGE_SIZE: tl.constexpr):
+def _used_entries(seq_lens_ptr, cu_seqlens_ptr, offs, mask, capacity, window, PAGE_SIZE: tl.constexpr):
     """(first entry, number of entries) of requests ``offs``' page-table rows that hold
-    their visible tokens (lengths clamped to [0, capacity]; a window's last min(len, W),
-    ``window_tiles``)."""
+    their visible tokens (lengths clamped to [0, capacity]; with a window, the keys of
+    ``row_window``: the first of its q_len query tokens sees W, the last q_len - 1 more)."""
     lens = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + offs, mask=mask, other=0), 0), capacity).to(tl.int32)
-    first_tok, _ = window_tiles(lens, window, 1)
+    q_len = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0) - tl.load(cu_seqlens_ptr + offs, mask=mask,
+                                                                             other=0)
+    first_tok, _ = window_tiles(lens, row_window(window, tl.minimum(q_len, lens)), 1)
     first = first_tok // PAGE_SIZE
     return first, tl.cdiv(lens, PAGE_SIZE) - first
 
 
 @triton.jit(do_not_specialize=["batch_size", "capacity", "window", "stride_pt", "num_pages"])
 def audit_pages_kernel(
-    seq_lens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
+    seq_lens_ptr, cu_seqlens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
     PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages).
 
-    The attention kernels never dereference such an id (decode loads zeros, extend reads
-    page 0 in its place); this kernel, run once per plan, is what reports it, so their tile
+    ``cu_seqlens [B + 1]``: the batch's query rows (a request of q_len tokens reads
+    ``row_window`` keys under a window). The attention kernels never dereference such an id
+    (its tokens are left out of their request's attention); this kernel, run once per plan, is what reports it, so their tile
     loops carry nothing for the check. A request uses the entries of its visible tokens
     (``_used_entries``: with a sliding window, engines may free or reuse the pages before
     it). The used entries of all requests lie end to end; program p of P checks
@@ -156,8 +303,8 @@ def audit_pages_kernel(
     offs_b = tl.arange(0, BLOCK_B)
     total = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
-        _, entries = _used_entries(seq_lens_ptr, start + offs_b, start + offs_b < batch_size, capacity, window,
-                                   PAGE_SIZE)
+        _, entries = _used_entries(seq_lens_ptr, cu_seqlens_ptr, start + offs_b, start + offs_b < batch_size, capacity,
+                                   window, PAGE_SIZE)
         total += tl.sum(entries, 0)
     per = tl.cdiv(total, tl.num_programs(0))
     lo = pid * per
@@ -168,7 +315,7 @@ def audit_pages_kernel(
     carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
-        _, entries = _used_entries(seq_lens_ptr, offs, offs < batch_size, capacity, window, PAGE_SIZE)
+        _, entries = _used_entries(seq_lens_ptr, cu_seqlens_ptr, offs, offs < batch_size, capacity, window, PAGE_SIZE)
         ends = tl.cumsum(entries, 0) + carry
         ended = (ends <= lo) & (offs < batch_size)
         req += tl.sum(ended.to(tl.int32), 0)
@@ -178,7 +325,7 @@ def audit_pages_kernel(
     bad = tl.zeros([BLOCK_E], tl.int1)
     pos = lo
     while (pos < hi) & (req < batch_size):
-        first, n = _used_entries(seq_lens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
+        first, n = _used_entries(seq_lens_ptr, cu_seqlens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
         row = page_table_ptr + req.to(tl.int64) * stride_pt + first
         stop = tl.minimum(hi, req_lo + n)
         for e in range(pos - req_lo, stop - req_lo, BLOCK_E):

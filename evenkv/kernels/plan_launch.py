@@ -32,23 +32,30 @@ def plan_block_buckets(max_batch_size: int) -> list[int]:
     return sorted({plan_block_b(min(1 << k, max_batch_size)) for k in range(max_batch_size.bit_length() + 1)})
 
 
-def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors,
-                       capacity: int, window: int, num_ctas: int, num_sms: int, num_kv_heads: int, block_n: int,
-                       warmup: bool = False):
-    """seq_lens [B] int32/int64 -> plan buffers (see ``evenkv.kernels.plan``); errors [1] int32;
-    window: sliding window W, 0 for none.
+def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, capacity: int, window: int,
+                       max_q_len: int, multi_q: bool, num_sms: int, num_kv_heads: int, block_n: int,
+                       chunking: tuple | None = None, warmup: bool = False):
+    """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32 -> ``schedule``'s buffers (a
+    ``evenkv.planning.StreamSchedule``; see ``evenkv.kernels.plan``); errors [1] int32; window:
+    sliding window W, 0 for none; max_q_len: the most query tokens of a row; multi_q: rows of
+    several query tokens; chunking: deterministic mode's (min chunk tiles, max chunks, chunk
+    capacity), or None.
 
     The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
     built at start-up (``Attention.warmup``). Each program answers
     ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
     would pass PLAN_COMPARE_TILE elements."""
+    s, num_ctas = schedule, schedule.num_ctas
     block_b = plan_block_b(seq_lens.shape[0])
     block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
+    min_chunk, max_chunks, chunk_capacity = chunking or (1, 1, 0)
     return launch_or_compile(
         plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
-        seq_lens, plan_seq_lens, active_req, cta_start, plan_scalars, errors, seq_lens.shape[0], capacity, window,
-        num_ctas,
-        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c,
+        seq_lens, cu_seqlens, plan_seq_lens, s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, s.req_chunks,
+        s.req_chunk_base, s.merge_list, s.merge_count, errors, seq_lens.shape[0], capacity, window, max_q_len, num_ctas,
+        chunk_capacity,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c, MULTI_Q=multi_q,
+        DETERMINISTIC=chunking is not None, MIN_CHUNK_TILES=min_chunk, MAX_CHUNKS=max_chunks,
         num_warps=8 if block_b >= 1024 else 4)
 
 
@@ -56,14 +63,14 @@ def launch_plan_stream(seq_lens, plan_seq_lens, active_req, cta_start, plan_scal
 AUDIT_BLOCK_E = 256
 
 
-def launch_audit_pages(seq_lens, page_table, errors, num_pages: int, page_size: int, grid: int, window: int = 0,
-                       warmup: bool = False):
-    """seq_lens [B] int32/int64, page_table [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors
-    [1] int32 if a used entry (of a sliding window's tokens, ``window`` > 0) lies outside [0,
-    num_pages) (see ``audit_pages_kernel``)."""
+def launch_audit_pages(seq_lens, cu_seqlens, page_table, errors, num_pages: int, page_size: int, grid: int,
+                       window: int = 0, warmup: bool = False):
+    """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32/int64 (the batch's query rows), page_table
+    [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors [1] int32 if a used entry (with a window
+    ``window`` > 0, of the keys its rows see) lies outside [0, num_pages) (see ``audit_pages_kernel``)."""
     return launch_or_compile(
         audit_pages_kernel, (grid,), warmup,
-        seq_lens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
+        seq_lens, cu_seqlens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
         page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]),
         BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
 

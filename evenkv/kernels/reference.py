@@ -5,6 +5,11 @@ no paging tricks.
 FP8 caches hold stored values: real K = stored K * k_scale (V likewise). Sinks [Hq] are one
 logit per query head (natural log, neither scaled nor capped) that joins the softmax
 denominator: out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) (gpt-oss).
+
+The kernels' rules for odd data hold here too: a token whose page id lies outside the cache
+is left out of its request's attention; a query that sees no key (and has no sink) gives
+zeros; a NaN in q or in a key a query sees makes that query's output NaN, as torch's softmax
+does.
 """
 
 import math
@@ -89,8 +94,8 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                      sm_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
                      logit_cap: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32,
-                     max_scores: int = 1 << 26) -> torch.Tensor:
+                     v_scale: float = 1.0, tree_mask: torch.Tensor | None = None,
+                     compute_dtype: torch.dtype = torch.float32, max_scores: int = 1 << 26) -> torch.Tensor:
     """Varlen paged extend attention, the same contract as ``evenkv.extend``.
 
     q [total_q, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D],
@@ -100,7 +105,9 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     positions < seq_len - q_len only). Query i of request b is at position seq_len - q_len + i; causal:
     sees keys <= its position; sliding_window W >= 1: keys in [p - W + 1, p]; logit_cap c > 0:
     scores -> c * tanh(scores / c). None or 0 disables window and cap. sinks: None or [Hq]
-    (see the module docstring).
+    (see the module docstring). tree_mask: None or [total_q] int (with causal): bit j of
+    tree_mask[i] says whether query row i sees its request's new token j (position seq_len -
+    q_len + j) instead of the causal rule among the new tokens; the prefix is always seen.
 
     compute_dtype: fp32 (the oracle) or the inputs' low dtype (torch's own low-precision
     baseline for the tolerance rule: scores, softmax and PV rounded to that dtype).
@@ -114,6 +121,7 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache = v_cache.reshape(-1, *v_cache.shape[2:])
     total_q, hq, d = q.shape
     hkv = k_cache.shape[1]
+    num_pages = k_cache.shape[0] // page_size
     group = hq // hkv
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
@@ -125,11 +133,17 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             continue
         prefix = seq_len - q_len
         cached = seq_len if k_new is None else prefix
-        k = gather_request_kv(k_cache, page_table[b], cached, page_size).float() * k_scale
-        v = gather_request_kv(v_cache, page_table[b], cached, page_size).float() * v_scale
+        tok = torch.arange(cached, device=q.device)
+        pages = page_table[b, tok // page_size].long()
+        on_cache = (pages >= 0) & (pages < num_pages)  # the other tokens are left out
+        slots = torch.where(on_cache, pages, 0) * page_size + tok % page_size
+        k = k_cache[slots].float().masked_fill(~on_cache[:, None, None], 0.0) * k_scale
+        v = v_cache[slots].float().masked_fill(~on_cache[:, None, None], 0.0) * v_scale
+        key_kept = on_cache
         if k_new is not None:
             k = torch.cat([k, k_new[q_begin:q_begin + q_len].float()])
             v = torch.cat([v, v_new[q_begin:q_begin + q_len].float()])
+            key_kept = torch.cat([key_kept, torch.ones(q_len, dtype=torch.bool, device=q.device)])
         k = k.to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.to(compute_dtype).repeat_interleave(group, dim=1)
         key_pos = torch.arange(seq_len, device=q.device)
@@ -141,15 +155,26 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             if logit_cap:
                 scores = logit_cap * torch.tanh(scores / logit_cap)
             q_pos = prefix + torch.arange(i0, i1, device=q.device)
-            seen = torch.ones(i1 - i0, seq_len, dtype=torch.bool, device=q.device)
-            if causal:
+            seen = key_kept.repeat(i1 - i0, 1)
+            if causal and tree_mask is not None:
+                bits = tree_mask[q_begin + i0:q_begin + i1].long()
+                rel = (key_pos - prefix).clamp(min=0)
+                named = ((bits[:, None] >> rel[None, :]) & 1).bool()
+                seen &= (key_pos[None, :] < prefix) | named
+            elif causal:
                 seen &= key_pos[None, :] <= q_pos[:, None]
             if sliding_window:
                 seen &= key_pos[None, :] > q_pos[:, None] - sliding_window
             scores = scores.masked_fill(~seen[None], -math.inf)
             if sinks is not None:  # one more logit per head, with no value
                 scores = torch.cat([scores, sinks.to(compute_dtype)[:, None, None].expand(-1, i1 - i0, 1)], -1)
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key (and no sink) -> zeros
+            probs = torch.softmax(scores, dim=-1)
+            # Only -inf logits (no key seen, no sink or a -inf one): softmax gives NaN, the
+            # contract zeros. A NaN from the data stays.
+            no_key = ~seen.any(-1)[None, :, None]
+            if sinks is not None:
+                no_key = no_key & (sinks == -math.inf)[:, None, None]
+            probs = probs.masked_fill(no_key, 0.0)
             if sinks is not None:
                 probs = probs[..., :-1]
             out[q_begin + i0:q_begin + i1] = torch.einsum("hnl,lhd->nhd", probs, v)

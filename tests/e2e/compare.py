@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""End-to-end comparison harness: evenkv inside vLLM or SGLang against the engine's Triton
-backend and HF transformers (GPU machine; tests/e2e/vllm.sh and sglang.sh run it).
+"""End-to-end comparison harness: evenkv inside vLLM or SGLang against another backend of the
+engine (its Triton backend by default) and HF transformers (GPU machine; tests/e2e/vllm.sh and
+sglang.sh run it).
 
     python tests/e2e/compare.py MODEL_DIR [--engine vllm|sglang] [--backend evenkv|triton|NAME]
-                                [--graphs 0|1] [--compare] [--skewed] [--speculative-algorithm NGRAM] [...]
+                                [--baseline triton|default|NAME] [--graphs 0|1] [--compare]
+                                [--skewed] [--spec-ngram K] [...]
 
 MODEL_DIR is any HF checkpoint the engine can load (a real one works the same as the tiny
 random Qwen3 of the device kits). Prompts are random token ids (no tokenizer needed), of
@@ -12,23 +14,32 @@ very different lengths; decoding is greedy with ``ignore_eos``.
 Modes:
   (default)    one engine, one backend, in this process: generates, prints the outputs,
                tokens/s and the per-step decode latency.
-  --compare    evenkv and the engine's Triton backend (one child process each, so two
-               engines never share a process), then HF transformers teacher-forced on the
-               same weights; prints one ``RESULT compare ...`` line: per backend, tokens that
-               are HF's argmax / near-ties (within --tol nats of it) / bad, the largest
-               |engine logprob - HF logprob|, and evenkv vs Triton (same tokens up to the
-               first divergence, whether each divergence is a near-tie under HF).
+  --compare    evenkv and the --baseline backend (one child process each, so two engines
+               never share a process), then HF transformers teacher-forced on the same
+               weights; prints one ``RESULT compare ...`` line: per backend, tokens that are
+               HF's argmax / near-ties (within --tol nats of it) / bad, the largest
+               |engine logprob - HF logprob|, and evenkv vs the baseline (same tokens up to
+               the first divergence, whether each divergence is a near-tie under HF).
   --skewed     one prompt of --long-len tokens (>= 16K) beside --num-short short ones,
                --steps decode steps, for both backends; prints one ``RESULT skewed ...``
                line with the decode step time of each (median, p20-p80) and their ratio.
   --compare and --skewed combine (each backend's child runs both workloads).
+  --spec-ngram K  both backends decode with n-gram speculation of K draft tokens (no draft
+               model): vLLM ``speculative_config={"method": "ngram", ...}``, SGLang
+               ``speculative_algorithm="NGRAM"`` with K + 1 draft tokens in a chain. Each
+               prompt is a random block of --spec-block tokens repeated, so the n-gram
+               lookup finds matches from the first step; with random weights most drafts are
+               rejected, which still verifies them. RESULT adds per backend how many
+               request-steps brought more than one token (vLLM) or the verify steps (SGLang).
 
 Decode step time: vLLM, each ``LLMEngine.step()`` in which every running request was
 already decoding (wall clock, synchronous scheduling, no prefix caching). SGLang (whose
 engine runs in another process): (time to generate 1 + S tokens - time to generate 1) / S.
 
 Backend names: ``evenkv`` is vLLM's ``CUSTOM`` (the evenkv plugin) and SGLang's ``evenkv``;
-``triton`` is vLLM's ``TRITON_ATTN`` and SGLang's ``triton``; other names pass through.
+``triton`` is vLLM's ``TRITON_ATTN`` and SGLang's ``triton``; ``default`` the engine's
+Hopper default, vLLM's ``FLASH_ATTN`` (FA3; needs the peers kit's FA3 beside the vLLM kit)
+and SGLang's ``fa3``; other names pass through.
 ``--graphs 1`` captures CUDA graphs: vLLM full graphs of decode steps (``FULL_DECODE_ONLY``,
 no torch.compile), SGLang its default decode (full) and prefill (breakable) graphs.
 ``--native-ops`` (default on) makes vLLM use torch-native norms/activations: the device
@@ -48,7 +59,8 @@ import tempfile
 import time
 
 NO_GPU_EXIT = 3
-BACKENDS = {"vllm": {"evenkv": "CUSTOM", "triton": "TRITON_ATTN"}, "sglang": {"evenkv": "evenkv", "triton": "triton"}}
+BACKENDS = {"vllm": {"evenkv": "CUSTOM", "triton": "TRITON_ATTN", "default": "FLASH_ATTN"},
+            "sglang": {"evenkv": "evenkv", "triton": "triton", "default": "fa3"}}
 VOCAB_LOW = 3  # skip special ids 0..2 in random prompts
 
 
@@ -59,7 +71,12 @@ def parse_args(argv=None):
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     ap.add_argument("--backend", default="evenkv", help="evenkv | triton | an engine backend name (default evenkv)")
     ap.add_argument("--graphs", type=int, choices=(0, 1), default=0, help="1: CUDA graphs (default 0: eager)")
-    ap.add_argument("--compare", action="store_true", help="evenkv vs the engine's triton backend vs HF")
+    ap.add_argument("--baseline", default="triton",
+                    help="--compare/--skewed: the backend evenkv is compared with (triton | default | NAME)")
+    ap.add_argument("--compare", action="store_true", help="evenkv vs the baseline backend vs HF")
+    ap.add_argument("--spec-ngram", type=int, default=0, metavar="K",
+                    help="n-gram speculative decoding with K draft tokens (0: off)")
+    ap.add_argument("--spec-block", type=int, default=16, help="--spec-ngram: the repeated block of each prompt")
     ap.add_argument("--skewed", action="store_true", help="decode step time, one long prompt beside short ones")
     ap.add_argument("--prompt-lens", default="7,100,1000,3000,13,333",
                     help="comma-separated prompt lengths of the generation workload")
@@ -69,10 +86,6 @@ def parse_args(argv=None):
     ap.add_argument("--short-lens", default="16,256", help="--skewed: short prompt lengths, uniform in [lo,hi]")
     ap.add_argument("--steps", type=int, default=64, help="--skewed: decode steps")
     ap.add_argument("--seed", type=int, default=1, help="of the random prompts")
-    ap.add_argument("--speculative-algorithm", default=None,
-                    help="SGLang only: e.g. NGRAM, for both backends (every decode step a verify batch)")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                    help="SGLang: tokens each request verifies per step (with --speculative-algorithm)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the engine's KV cache dtype: auto, or fp8 (vLLM) / fp8_e4m3 (SGLang), for both backends")
     ap.add_argument("--mem", type=float, default=0.3, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
@@ -103,11 +116,16 @@ def read_model_config(model: str) -> dict:
         return json.load(f)
 
 
-def make_prompts(lens, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(lens, vocab: int, seed: int, block: int = 0) -> list[list[int]]:
+    """Random token prompts of the given lengths; with ``block`` > 0 each one is a random
+    block of that many tokens repeated (n-gram lookups then match)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(VOCAB_LOW, vocab, (int(n),), generator=g).tolist() for n in lens]
+    if block <= 0:
+        return [torch.randint(VOCAB_LOW, vocab, (int(n),), generator=g).tolist() for n in lens]
+    return [(torch.randint(VOCAB_LOW, vocab, (block,), generator=g).tolist() * (int(n) // block + 1))[:int(n)]
+            for n in lens]
 
 
 def workloads(a, vocab: int) -> dict:
@@ -116,7 +134,8 @@ def workloads(a, vocab: int) -> dict:
 
     out = {}
     if not a.skewed or a.compare:
-        out["gen"] = (make_prompts(a.prompt_lens.split(","), vocab, a.seed), a.new)
+        block = a.spec_block if a.spec_ngram else 0
+        out["gen"] = (make_prompts(a.prompt_lens.split(","), vocab, a.seed, block), a.new)
     if a.skewed:
         lo, hi = (int(x) for x in a.short_lens.split(","))
         g = torch.Generator().manual_seed(a.seed + 1)
@@ -141,7 +160,8 @@ def percentiles(xs: list[float]) -> dict:
 # -- vLLM -------------------------------------------------------------------------------------
 
 
-def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int):
+def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int, extra: dict | None = None):
+    """``vllm.LLM`` for ``a``'s options; ``extra`` adds or overrides ``LLM`` arguments."""
     if a.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -161,7 +181,10 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
               max_num_batched_tokens=max_batched, seed=0, enable_prefix_caching=False, async_scheduling=False,
               enforce_eager=not a.graphs, kv_cache_dtype=a.kv_cache_dtype)
     if a.graphs:
-        sizes = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < max_num_seqs] + [max_num_seqs]
+        # Graph sizes count tokens: a speculative decode step holds 1 + K per request.
+        per_request = 1 + getattr(a, "spec_ngram", 0)
+        sizes = [s * per_request for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < max_num_seqs]
+        sizes.append(max_num_seqs * per_request)
         # Full graphs of decode steps without torch.compile: what the backend's
         # UNIFORM_SINGLE_TOKEN_DECODE support (evenkv) or ALWAYS (TRITON_ATTN) allows.
         compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=sizes)
@@ -169,6 +192,10 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
         kw["compilation_config"] = compilation
     if a.native_ops:
         kw["kernel_config"] = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
+    if getattr(a, "spec_ngram", 0):
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": a.spec_ngram,
+                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    kw.update(extra or {})
     return LLM(**kw)
 
 
@@ -196,6 +223,7 @@ def vllm_run(llm, prompts, max_tokens: int, logprobs: bool) -> dict:
         ids[rid] = ids[internal] = i  # outputs carry rid; add_request returns "<rid>-<random>"
     toks = [[] for _ in prompts]
     lps = [[] for _ in prompts]
+    multi_token_steps = 0  # request-steps that brought more than one token: accepted drafts
     unfinished = set(range(len(prompts)))
     steps = []  # (seconds, pure_decode)
     torch.cuda.synchronize()
@@ -209,6 +237,7 @@ def vllm_run(llm, prompts, max_tokens: int, logprobs: bool) -> dict:
             i = ids[o.request_id]
             c = o.outputs[0]
             toks[i] += list(c.token_ids)
+            multi_token_steps += len(c.token_ids) > 1
             if logprobs:
                 lps[i] += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
             if o.finished:
@@ -217,26 +246,30 @@ def vllm_run(llm, prompts, max_tokens: int, logprobs: bool) -> dict:
     total = time.perf_counter() - t0
     decode = [dt for dt, dec in steps if dec]
     return {"tokens": toks, "logprobs": lps if logprobs else None, "seconds": total, "steps": len(steps),
-            "decode_step_s": decode}
+            "decode_step_s": decode, "spec": {"multi_token_steps": multi_token_steps}}
 
 
 # -- SGLang ----------------------------------------------------------------------------------
 
 
-def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int):
+def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int,
+                  extra: dict | None = None):
+    """``sglang.Engine`` for ``a``'s options; ``extra`` adds or overrides ``Engine`` arguments."""
     import sglang
 
     kw = dict(model_path=a.model, skip_tokenizer_init=True, attention_backend=backend, sampling_backend="pytorch",
               dtype="bfloat16", mem_fraction_static=a.mem, context_length=max_model_len,
               max_running_requests=max_num_seqs, chunked_prefill_size=max_batched, disable_radix_cache=True,
               log_level="error", random_seed=0, kv_cache_dtype=a.kv_cache_dtype)
-    if a.speculative_algorithm:
-        kw.update(speculative_algorithm=a.speculative_algorithm,
-                  speculative_num_draft_tokens=a.speculative_num_draft_tokens)
     if a.graphs:
         kw.update(cuda_graph_max_bs_decode=max_num_seqs, cuda_graph_max_bs_prefill=512)
     else:
         kw["disable_cuda_graph"] = True
+    if getattr(a, "spec_ngram", 0):
+        # K drafts in a chain: SGLang counts the verified row (last token + K drafts) as draft tokens.
+        kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.spec_ngram + 1,
+                  speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=1)
+    kw.update(extra or {})
     return sglang.Engine(**kw)
 
 
@@ -247,7 +280,9 @@ def sglang_run(eng, prompts, max_tokens: int, logprobs: bool) -> dict:
     total = time.perf_counter() - t0
     toks = [list(o["output_ids"]) for o in outs]
     lps = [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs] if logprobs else None
-    return {"tokens": toks, "logprobs": lps, "seconds": total, "steps": None, "decode_step_s": []}
+    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    return {"tokens": toks, "logprobs": lps, "seconds": total, "steps": None, "decode_step_s": [],
+            "spec": {"verify_steps": verify}}
 
 
 def sglang_decode_steps(eng, prompts, steps: int) -> list[float]:
@@ -276,7 +311,7 @@ def run_backend(a) -> dict:
     # Whole prompts in one step, so the skewed run's decode steps start right after prefill.
     max_batched = min(max(8192, max(sum(len(p) for p in ps) for ps, _ in wl.values())), 1 << 17)
     backend = BACKENDS[a.engine].get(a.backend, a.backend)
-    res = {"engine": a.engine, "backend": backend, "graphs": a.graphs, "runner": a.runner}
+    res = {"engine": a.engine, "backend": backend, "graphs": a.graphs, "runner": a.runner, "spec_ngram": a.spec_ngram}
     t = time.time()
     if a.engine == "vllm":
         import vllm
@@ -300,7 +335,7 @@ def run_backend(a) -> dict:
             gen = {"prompts": prompts, "prompt_lens": [len(p) for p in prompts], "tokens": first["tokens"],
                    "logprobs": first["logprobs"], "rerun_same": again["tokens"] == first["tokens"],
                    "seconds": again["seconds"], "tokens_per_s": sum(map(len, again["tokens"])) / again["seconds"],
-                   "decode_step_s": again["decode_step_s"]}
+                   "decode_step_s": again["decode_step_s"], "spec": first["spec"]}
             if a.engine == "sglang":
                 gen["decode_step_s"] = sglang_decode_steps(engine, prompts, new - 1)
             res["gen"] = gen
@@ -343,10 +378,8 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            "--graphs", str(a.graphs), "--prompt-lens", a.prompt_lens, "--new", str(a.new), "--long-len",
            str(a.long_len), "--num-short", str(a.num_short), "--short-lens", a.short_lens, "--steps", str(a.steps),
            "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
-           *(["--speculative-algorithm", a.speculative_algorithm] if a.speculative_algorithm else []),
-           *(["--speculative-num-draft-tokens", str(a.speculative_num_draft_tokens)]
-             if a.speculative_num_draft_tokens else []),
-           "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path]
+           "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path,
+           "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block)]
     if a.compare:
         cmd.append("--compare")
     if a.skewed:
@@ -388,12 +421,13 @@ def hf_scores(model: str, prompts, outputs) -> list[list[tuple[int, float, dict]
 
 
 def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
-    """The RESULT fields of --compare and whether they pass."""
+    """The RESULT fields of --compare and whether they pass (``tr``: the baseline's results)."""
     prompts = ev["gen"]["prompts"]
     if tr["gen"]["prompts"] != prompts:
         raise RuntimeError("the two backends were given different prompts")
-    runs = {"evenkv": ev["gen"], "triton": tr["gen"]}
-    scores = hf_scores(a.model, prompts, [runs["evenkv"]["tokens"], runs["triton"]["tokens"]])
+    base = a.baseline
+    runs = {"evenkv": ev["gen"], base: tr["gen"]}
+    scores = hf_scores(a.model, prompts, [runs["evenkv"]["tokens"], runs[base]["tokens"]])
     fields, ok = [], True
     for k, name in enumerate(runs):
         agree = near = bad = total = 0
@@ -410,12 +444,13 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
         ok &= bad == 0 and max_dlp <= a.lp_tol and runs[name]["rerun_same"]
         fields += [f"{name}_hf_top1={agree}/{total}", f"{name}_hf_near_ties={near}", f"{name}_hf_bad={bad}",
                    f"{name}_hf_max_lp_diff={max_dlp:.4f}", f"{name}_rerun_same={int(runs[name]['rerun_same'])}"]
-    # evenkv vs triton: same tokens up to the first divergence; a divergence must be a
+        fields += [f"{name}_{k}={v}" for k, v in sorted(runs[name].get("spec", {}).items()) if a.spec_ngram]
+    # evenkv vs the baseline: same tokens up to the first divergence; a divergence must be a
     # near-tie under HF (the contexts are equal up to there, so HF's row is shared).
     same = total = divergences = tie_divergences = 0
     max_dlp = 0.0
     for i in range(len(prompts)):
-        e, t = runs["evenkv"]["tokens"][i], runs["triton"]["tokens"][i]
+        e, t = runs["evenkv"]["tokens"][i], runs[base]["tokens"][i]
         total += len(e)
         for j, (x, y) in enumerate(zip(e, t)):
             if x != y:
@@ -424,10 +459,10 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
                 tie_divergences += abs(tok_lp_e - tok_lp_t) <= a.tol
                 break
             same += 1
-            max_dlp = max(max_dlp, abs(runs["evenkv"]["logprobs"][i][j] - runs["triton"]["logprobs"][i][j]))
+            max_dlp = max(max_dlp, abs(runs["evenkv"]["logprobs"][i][j] - runs[base]["logprobs"][i][j]))
     ok &= tie_divergences == divergences and max_dlp <= a.lp_tol
-    fields += [f"evenkv_vs_triton_same_prefix={same}/{total}", f"divergences={divergences}",
-               f"divergences_near_tie={tie_divergences}", f"evenkv_vs_triton_max_lp_diff={max_dlp:.4f}"]
+    fields += [f"evenkv_vs_{base}_same_prefix={same}/{total}", f"divergences={divergences}",
+               f"divergences_near_tie={tie_divergences}", f"evenkv_vs_{base}_max_lp_diff={max_dlp:.4f}"]
     for name in runs:
         st = percentiles(runs[name]["decode_step_s"])
         fields += [f"{name}_tok_s={runs[name]['tokens_per_s']:.1f}",
@@ -435,10 +470,10 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
     return " ".join(fields), ok
 
 
-def skewed_report(ev: dict, tr: dict) -> str:
+def skewed_report(ev: dict, tr: dict, base: str) -> str:
     fields = []
     stats = {}
-    for name, res in (("evenkv", ev), ("triton", tr)):
+    for name, res in (("evenkv", ev), (base, tr)):
         st = percentiles(res["skewed"]["decode_step_s"])
         stats[name] = st
         if st.get("n"):
@@ -446,8 +481,8 @@ def skewed_report(ev: dict, tr: dict) -> str:
                           f"n={st['n']})")
         else:
             fields.append(f"{name}_step_ms=na")
-    if stats["evenkv"].get("n") and stats["triton"].get("n"):
-        fields.append(f"triton_over_evenkv={stats['triton']['p50'] / stats['evenkv']['p50']:.3f}")
+    if stats["evenkv"].get("n") and stats[base].get("n"):
+        fields.append(f"{base}_over_evenkv={stats[base]['p50'] / stats['evenkv']['p50']:.3f}")
     e, t = ev["skewed"]["tokens"], tr["skewed"]["tokens"]
     same = sum(x == y for a_, b_ in zip(e, t) for x, y in zip(a_, b_))
     fields.append(f"tokens_same={same}/{sum(map(len, e))}")
@@ -465,8 +500,6 @@ def main(argv=None) -> int:
         return NO_GPU_EXIT
     if a.engine not in BACKENDS:
         raise SystemExit(f"--engine: expected vllm or sglang, got {a.engine}")
-    if a.speculative_algorithm and a.engine != "sglang":
-        raise SystemExit("--speculative-algorithm: SGLang only (--engine sglang)")
 
     if a.json_out or not (a.compare or a.skewed):  # one backend, here
         res = run_backend(a)
@@ -485,9 +518,9 @@ def main(argv=None) -> int:
 
     csv = ",".join(k for k, on in (("gen", a.compare), ("skewed", a.skewed)) if on)
     ev = run_child(a, "evenkv", csv)
-    tr = run_child(a, "triton", csv)
-    head = (f"engine={a.engine}-{ev['engine_version']} graphs={a.graphs} runner={a.runner} kv={a.kv_cache_dtype}"
-            f"{f' spec={a.speculative_algorithm}' if a.speculative_algorithm else ''}")
+    tr = run_child(a, a.baseline, csv)
+    head = (f"engine={a.engine}-{ev['engine_version']} baseline={tr['backend']} graphs={a.graphs} runner={a.runner} "
+            f"kv={a.kv_cache_dtype} spec_ngram={a.spec_ngram}")
     ok = True
     if a.compare:
         fields, ok_c = compare_report(a, ev, tr)
@@ -497,7 +530,7 @@ def main(argv=None) -> int:
     if a.skewed:
         sk = ev["skewed"]
         print(f"RESULT skewed {head} long={sk['long_len']} short={sk['num_prompts'] - 1}x[{a.short_lens}] "
-              f"steps={sk['steps']} {skewed_report(ev, tr)}", flush=True)
+              f"steps={sk['steps']} {skewed_report(ev, tr, a.baseline)}", flush=True)
     return 0 if ok else 1
 
 

@@ -16,13 +16,21 @@
 #           layers alternating with full ones), which SGLang serves on its hybrid SWA pool (two token pools,
 #           window layers through the full->SWA mapping): evenkv and triton, CUDA graphs, prompts longer than the
 #           window; tokens and logprobs against HF (ok=1) and each other
-#   ngram   tests/e2e/compare.py --compare with --speculative-algorithm NGRAM (12 draft tokens, trees): every
-#           decode step a target-verify batch, CUDA graphs; evenkv's tokens and logprobs against HF (ok=1) and
-#           triton's
-#   server  the operator's path: `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B
-#           attention shape, dummy weights, CUDA graphs), 256 concurrent streaming requests from a localhost
-#           client, stopped by PID; start-up time and Triton compiles after start-up
-#           (benchmarks/serving.py, chat workload)
+#   server  the HTTP server at full size through benchmarks/serving.py (evenkv only, chat workload):
+#           `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B attention shape, dummy
+#           weights, CUDA graphs), 256 concurrent streaming requests on /generate, stopped by PID; start-up
+#           time and the Triton kernels compiled after start-up
+#   invariance  tests/e2e/invariance.py with --enable-deterministic-inference, CUDA graphs: one prompt alone,
+#           among 63 others, and prefilled in 97-token chunks, evenkv: bitwise the same tokens and logprobs
+#   invariance-default  the same with SGLang's fa3 (its Hopper default)
+#   spec-ngram  tests/e2e/compare.py --compare with n-gram speculation (NGRAM, 3 draft tokens in a chain),
+#           CUDA graphs: evenkv vs fa3 vs HF (SGLang builds its C++ n-gram cache with the image's compiler
+#           on first use)
+#   openai  the operator's path (tests/e2e/openai_server.py): `python -m sglang.launch_server
+#           --attention-backend evenkv` with a tokenizer built here, 256 requests 32 at a time on
+#           /v1/completions and /v1/chat/completions, streamed and not, evenkv's kernel line in the log,
+#           stop by PID
+# One engine's e2e set: BUDGET=360 bash tests/e2e/sglang.sh invariance spec-ngram openai
 # env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
 #      default /tmp/evenkv-sglang-e2e), SGLANG_KIT (default .kits/sglang), MODEL (tiny model dir).
 # Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
@@ -62,11 +70,14 @@ print(f"RESULT tokens_vs_triton graphs={g} prompts_identical={sum(x == y for x, 
 PY
 }
 
-step_checks() {
-  if [ ! -f "$MODEL/DONE" ]; then
-    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
-  fi
+model() {
+  [ -f "$MODEL/DONE" ] && return 0
+  python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
   echo "== model ready at $((SECONDS - T0))s"
+}
+
+step_checks() {
+  model || return 1
   run_step check-evenkv-g0 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 0
   run_step check-evenkv-g1 170 60 python3 "$KIT/check.py" --model "$MODEL" --backend evenkv --graphs 1
   run_step check-triton-g1 150 60 python3 "$KIT/check.py" --model "$MODEL" --backend triton --graphs 1
@@ -77,9 +88,7 @@ step_checks() {
 
 step_skew() {
   local m32=$MODEL-ctx32k
-  if [ ! -f "$MODEL/DONE" ]; then
-    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
-  fi
+  model || return 1
   # The tiny model declares 4096 positions; the 16K prompt needs more (RoPE is position-agnostic).
   python3 - "$MODEL" "$m32" <<'PY' || return 1
 import json, os, sys
@@ -108,9 +117,7 @@ step_pytest() {
 }
 
 step_fp8() {
-  if [ ! -f "$MODEL/DONE" ]; then
-    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
-  fi
+  model || return 1
   run_step fp8 330 200 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang --graphs 1 --compare \
     --kv-cache-dtype fp8_e4m3
 }
@@ -121,14 +128,6 @@ step_swa() {
     python3 "$ROOT/tests/e2e/layer_models.py" mellum "$m" > "$L/swa-model.log" 2>&1 || { tail "$L/swa-model.log"; return 1; }
   fi
   run_step swa 330 200 python3 "$ROOT/tests/e2e/compare.py" "$m" --engine sglang --graphs 1 --compare
-}
-
-step_ngram() {
-  if [ ! -f "$MODEL/DONE" ]; then
-    python3 "$KIT/make_model.py" "$MODEL" > "$L/model.log" 2>&1 || { tail "$L/model.log"; return 1; }
-  fi
-  run_step ngram 330 200 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang --graphs 1 --compare \
-    --speculative-algorithm NGRAM --speculative-num-draft-tokens 12
 }
 
 step_server() {
@@ -145,8 +144,16 @@ for s in ${@:-checks skew pytest}; do
     server) step_server ;;
     fp8) step_fp8 ;;
     swa) step_swa ;;
-    ngram) step_ngram ;;
-    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | ngram | server)"; exit 2 ;;
+    invariance) model && run_step invariance 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
+      --engine sglang --backend evenkv ;;
+    invariance-default) model && run_step invariance-default 240 100 python3 "$ROOT/tests/e2e/invariance.py" \
+      "$MODEL" --engine sglang --backend default ;;
+    spec-ngram) model && run_step spec-ngram 330 150 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang \
+      --graphs 1 --compare --spec-ngram 3 --baseline default ;;
+    openai) model && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" --engine sglang \
+      --log "$L/openai-server.log" ;;
+    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | server | invariance | invariance-default |" \
+         "spec-ngram | openai)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU machine (H200), with the vLLM kit carried (`run` with carry [".kits/vllm"]): evenkv inside
-# a real vLLM 0.26.0 engine, end to end, through tests/e2e/compare.py.
+# GPU machine (H200), with the vLLM kit carried (`run` with carry [".kits/vllm"], plus
+# ".kits/peers" for FA3 and ".kits/vllm-serve" for the `openai` step): evenkv inside a real
+# vLLM 0.26.0 engine, end to end.
 #
 # usage: bash tests/e2e/vllm.sh [STEP...]      (default: eager graphs pytest v2)
 #   eager   --compare, V1 model runner, eager: CUSTOM (evenkv) vs TRITON_ATTN vs HF transformers
@@ -15,8 +16,20 @@
 #   fp8     --compare with --kv-cache-dtype fp8 (both backends read an e4m3 cache)
 #   gpt-oss --compare on a tiny random gpt-oss (64 q / 8 kv heads, D 64, sinks, alternating
 #           128-token window and full layers: two layer kinds in two KV-cache groups)
+#   invariance  tests/e2e/invariance.py with VLLM_BATCH_INVARIANT=1, CUDA graphs: one prompt alone, among
+#           63 others, and prefilled in 97-token chunks, evenkv: bitwise the same tokens and logprobs
+#   invariance-default  the same with FLASH_ATTN (FA3, one split in this mode; needs the peers kit)
+#   spec-ngram  --compare with n-gram speculation (3 draft tokens), CUDA graphs: evenkv vs FLASH_ATTN
+#           (TRITON_ATTN without the peers kit) vs HF
+#   openai  the operator's path (tests/e2e/openai_server.py): `vllm serve MODEL --attention-backend CUSTOM`
+#           with a tokenizer built here, 256 requests 32 at a time on /v1/completions and
+#           /v1/chat/completions, streamed and not, evenkv's kernel line in the log, stop by PID
+#           (needs the wheels of tests/e2e/serve_wheels.sh, which the kit lacks for the server)
+# One engine's e2e set: BUDGET=330 bash tests/e2e/vllm.sh invariance spec-ngram openai
 # env: BUDGET (s, default 570; a step that would not fit is skipped and says so), OUT (logs;
-#      default /tmp/evenkv-vllm-e2e), VLLM_KIT (default .kits/vllm), MODEL (tiny model dir).
+#      default /tmp/evenkv-vllm-e2e), VLLM_KIT (default .kits/vllm), PEERS_KIT (default .kits/peers;
+#      sourced first when present: FA3 for FLASH_ATTN and for evenkv's prefill), SERVE_WHEELS (default
+#      .kits/vllm-serve), MODEL (tiny model dir).
 # Prints RESULT lines (also in $OUT/results.txt); per-step logs in $OUT.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,6 +43,13 @@ RES=$L/results.txt
 : > "$RES"
 
 [ -f "$KIT/setup.sh" ] || { echo "no vLLM kit at $KIT (VLLM_KIT: a folder whose setup.sh, sourced, makes vLLM importable)"; exit 1; }
+PEERS=${PEERS_KIT:-$ROOT/.kits/peers}
+FA3=0
+if [ -f "$PEERS/setup.sh" ]; then
+  # shellcheck disable=SC1091
+  source "$PEERS/setup.sh" || exit 1
+  FA3=1
+fi
 # shellcheck disable=SC1091
 source "$KIT/setup.sh" || exit 1
 
@@ -53,6 +73,17 @@ variant() {  # variant NAME: a layer_models.py checkpoint next to $MODEL
   else python3 "$ROOT/tests/e2e/layer_models.py" "$1" "$dir"; fi > "$L/model-$1.log" 2>&1 || { tail "$L/model-$1.log"; return 1; }
 }
 
+serve_wheels() {  # what `vllm serve` imports beyond the kit, into a folder on PYTHONPATH
+  local w=${SERVE_WHEELS:-$ROOT/.kits/vllm-serve} site=/tmp/evenkv-vllm-serve
+  ls "$w"/*.whl > /dev/null 2>&1 || { echo "== no wheels in $w (bash tests/e2e/serve_wheels.sh $w, here)"; return 1; }
+  python3 -m pip install --quiet --no-index --no-deps --target "$site" "$w"/*.whl || return 1
+  export PYTHONPATH=$site:$PYTHONPATH
+}
+
+baseline() {  # the engine's Hopper default where the peers kit brought FA3
+  if [ $FA3 = 1 ]; then echo default; else echo "== no peers kit: the baseline is TRITON_ATTN" >&2; echo triton; fi
+}
+
 EX=$ROOT/tests/e2e/compare.py
 for s in ${@:-eager graphs pytest v2}; do
   case $s in
@@ -66,7 +97,18 @@ for s in ${@:-eager graphs pytest v2}; do
     window) variant window && run_step window 200 120 python3 "$EX" "$MODEL-window" --graphs 1 --compare ;;
     fp8) model && run_step fp8 200 120 python3 "$EX" "$MODEL" --graphs 1 --compare --kv-cache-dtype fp8 ;;
     gpt-oss) variant gpt-oss && run_step gpt-oss 240 120 python3 "$EX" "$MODEL-gpt-oss" --graphs 1 --compare ;;
-    *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | gpt-oss)"; exit 2 ;;
+    invariance) model && run_step invariance 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
+      --engine vllm --backend evenkv ;;
+    invariance-default)
+      if [ $FA3 = 0 ]; then echo "== invariance-default SKIPPED (FLASH_ATTN needs the peers kit)" | tee -a "$RES"; continue; fi
+      model && run_step invariance-default 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
+        --engine vllm --backend default ;;
+    spec-ngram) model && run_step spec-ngram 300 120 python3 "$EX" "$MODEL" --graphs 1 --compare --spec-ngram 3 \
+      --baseline "$(baseline)" ;;
+    openai) model && (serve_wheels && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" \
+      --engine vllm --log "$L/openai-server.log") ;;
+    *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | gpt-oss | invariance |" \
+         "invariance-default | spec-ngram | openai)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"

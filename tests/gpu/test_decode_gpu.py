@@ -205,3 +205,95 @@ def test_deterministic_batch_invariance_50_batches():
         plan = attn.plan(seq_lens[idx], pt[idx])
         out = attn.run(plan, q[idx], k, v)
         assert torch.equal(out[pos], want), (batch, pos)
+
+
+VERIFY_CASES = [  # (total tokens, batch, long share, query tokens per request)
+    (262144, 1, 0.0, 4), (262144, 16, 0.8, 4), (262144, 256, 0.4, 6), (262144, 2048, 0.0, 8),
+    (1048576, 64, 0.6, 16), (65536, 512, 0.8, 2),
+]
+
+
+def verify_queries(lens, q_len, hq, d, gen):
+    """q [B * q_len, Hq, D] bf16 and cu_seqlens_q [B + 1] int32 of B requests of q_len tokens."""
+    q = torch.randn(len(lens) * q_len, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    cu = torch.arange(0, len(lens) * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    return q, cu
+
+
+def check_verify_sample(out, q, k, v, cu, seq_lens, pt, page_size, requests, **terms):
+    """Tolerance rule on sampled requests' query rows, against extend_reference (causal)."""
+    for b in sorted({r for r in requests if 0 <= r < seq_lens.shape[0]}):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        sub_cu = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
+        args = (q[lo:hi], k, v, sub_cu, seq_lens[b:b + 1], pt[b:b + 1], page_size)
+        ref = extend_reference(*args, **terms)
+        base = (extend_reference(*args, compute_dtype=q.dtype, **terms).float() - ref).abs().max().item()
+        err = (out[lo:hi].float() - ref).abs().max().item()
+        assert err <= 2 * base + TOLERANCE_FLOOR[q.dtype], f"request {b}: error {err:.3e} (torch lowp {base:.3e})"
+
+
+@pytest.mark.parametrize("policy,deterministic", [("balanced", False), ("balanced", True), ("fa3", False),
+                                                  ("none", False)])
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_verify_rows_realistic(policy, deterministic, page_size, no_tf32):
+    """Speculative-verify rows (2 to 16 query tokens per request) on Qwen3-30B-A3B's attention
+    shape, skewed batches up to B = 2048 and 1M tokens, every policy: the sampled requests'
+    rows against the fp32 reference."""
+    gen = torch.Generator().manual_seed(7)
+    for total, batch, share, q_len in VERIFY_CASES:
+        lens = skewed_lens(total, batch, share, gen)
+        _, k, v, seq_lens, pt = build(lens, page_size)
+        q, cu = verify_queries(lens, q_len, HQ, D, gen)
+        attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, q.dtype, "cuda", 2048, pt.shape[1], policy,
+                                      max_q_len=q_len, deterministic=deterministic)
+        out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=q_len), q, k, v)
+        check_verify_sample(out, q, k, v, cu, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
+
+
+def test_verify_tree_masks_and_layer_terms(no_tf32):
+    """Tree masks (a 7-token draft tree) and, separately, a 128-token window with sinks over an FP8
+    cache (gpt-oss's shape): verify rows against the reference."""
+    gen = torch.Generator().manual_seed(8)
+    lens = skewed_lens(131072, 64, 0.6, gen)
+    tree_rows = [0b0000001, 0b0000011, 0b0000101, 0b0001011, 0b0010011, 0b0100101, 0b1000011]
+    _, k, v, seq_lens, pt = build(lens, 16)
+    q, cu = verify_queries(lens, 7, HQ, D, gen)
+    tree = torch.tensor(tree_rows * len(lens), dtype=torch.int32, device="cuda")
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 64, pt.shape[1], max_q_len=7, tree_masks=True)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=7, tree_mask=tree), q, k, v)
+    check_verify_sample(out, q, k, v, cu, seq_lens, pt, 16, [0, 1, 63], tree_mask=tree)
+    hq, hkv, d = 64, 8, 64
+    _, k, v, seq_lens, pt = build(lens, 16, hq=hq, hkv=hkv, d=d, seed=3)
+    q, cu = verify_queries(lens, 4, hq, d, gen)
+    k8, v8 = fp8_copy(k, 0.05), fp8_copy(v, 0.04)
+    sinks = torch.randn(hq, device="cuda")
+    attn = evenkv.DecodeAttention(hq, hkv, d, 16, q.dtype, "cuda", 64, pt.shape[1], max_q_len=4,
+                                  sliding_window=128, kv_dtype=torch.float8_e4m3fn)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, k8, v8, sinks=sinks, k_scale=0.05,
+                   v_scale=0.04)
+    check_verify_sample(out, q, k8, v8, cu, seq_lens, pt, 16, [0, 1, 63], sliding_window=128, sinks=sinks,
+                        k_scale=0.05, v_scale=0.04)
+
+
+def test_verify_rows_under_cuda_graphs():
+    """Plan + run of verify rows captured once and replayed with new lengths and new query rows
+    (vLLM's uniform-batch full graphs): equal to eager runs, bitwise."""
+    gen = torch.Generator().manual_seed(9)
+    batch, q_len = 64, 4
+    lens = skewed_lens(65536, batch, 0.5, gen)
+    _, k, v, seq_lens, pt = build(lens, 16)
+    q, cu = verify_queries(lens, q_len, HQ, D, gen)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", batch, pt.shape[1], max_q_len=q_len)
+    lens_buf, out = seq_lens.clone(), torch.empty_like(q)
+    attn.run(attn.plan(lens_buf, pt, cu_seqlens_q=cu, q_len=q_len), q, k, v, out=out)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(attn.plan(lens_buf, pt, cu_seqlens_q=cu, q_len=q_len), q, k, v, out=out)
+    for step in range(5):
+        new = torch.randint(q_len, int(seq_lens.max()), (batch,), generator=gen, dtype=torch.int32)
+        lens_buf.copy_(torch.minimum(new.cuda(), seq_lens))
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype).cuda())
+        graph.replay()
+        eager = attn.run(attn.plan(lens_buf, pt, cu_seqlens_q=cu, q_len=q_len), q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), step

@@ -280,7 +280,7 @@ def hostile_cases():
         evenkv.extend(q, k, v, cu_seqlens_q=cu, seq_lens=bad_lens, page_table=bad_pt, page_size=16, max_q_len=9,
                       k_new=kn, v_new=kn)
         sync()
-        expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE, evenkv.errors.LENGTH_OUT_OF_RANGE,
+        expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE, evenkv.errors.SEQ_LEN_BELOW_Q_LEN,
                     evenkv.errors.QUERY_OUT_OF_RANGE)
         print(f"CASE ok hostile extend new_layout={new_layout}", flush=True)
     return count + 3

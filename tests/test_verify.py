@@ -1,0 +1,251 @@
+"""CPU-lane tests of speculative-verify decode rows (1 + draft tokens per request): every policy,
+q lengths 2 to 16, tree masks, every layer term and an FP8 cache, against the fp32 reference
+(``extend_reference`` with the same query rows), under the Triton interpreter; plus the
+edge cases: rows of no query, padding rows, malformed query ranges, NaN, batch invariance,
+and verify rows beside extend rows in one ``Attention`` batch."""
+
+import numpy as np
+import pytest
+import torch
+
+import evenkv
+from evenkv.kernels.reference import extend_reference, kv_write_reference
+from helpers import make_paged_batch, max_error, tolerance
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.05, 0.04
+# (request lengths, query tokens of each): a long request cut across CTAs, a short one, one
+# of a single token, a padding row (seq_len 0) that keeps two q rows, a request of no query.
+LENS = [150, 9, 40, 0, 33]
+Q_LENS = [4, 3, 1, 2, 0]
+
+
+def verify_batch(lens, q_lens, hq, hkv, d, page_size, dtype, device, seed=0):
+    """Paged caches, cu_seqlens_q [B + 1] int32 and q [sum(q_lens), Hq, D] of a verify batch."""
+    _, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, page_size, dtype, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(device)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=device)
+    return q, kc, vc, seq_lens, pt, cu
+
+
+def assert_matches(out, q, kc, vc, cu, seq_lens, pt, page_size, **terms):
+    """The tolerance rule (evenkv.testing.tolerance) against the fp32 and q-dtype references."""
+    args = (q, kc, vc, cu, seq_lens, pt, page_size)
+    ref = extend_reference(*args, **terms)
+    lowp = extend_reference(*args, compute_dtype=q.dtype, **terms)
+    err, bound = max_error(out, ref), tolerance(ref, lowp, q.dtype)
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e}"
+
+
+def _attn(device, hq, hkv, d, page_size, dtype, pt, policy="balanced", max_q_len=4, **kw):
+    return evenkv.DecodeAttention(hq, hkv, d, page_size, dtype, device, 8, pt.shape[1], policy, num_ctas=5,
+                                  max_q_len=max_q_len, **kw)
+
+
+POLICY_CASES = [("balanced", None), ("fa3", None), ("none", None), ("balanced", True)]
+POLICY_IDS = ["balanced", "fa3", "none", "deterministic"]
+
+
+@pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
+@pytest.mark.parametrize("group,hkv,head_dim,page_size,dtype", [
+    (4, 2, 64, 16, torch.float16), (8, 1, 64, 1, torch.bfloat16), (7, 1, 128, 16, torch.bfloat16),
+    (1, 2, 96, 1, torch.float16)], ids=["g4-d64-p16", "g8-d64-p1", "g7-d128-p16", "g1-d96-p1"])
+def test_verify_rows_match_reference(device, policy, deterministic, group, hkv, head_dim, page_size, dtype):
+    hq = group * hkv
+    q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, Q_LENS, hq, hkv, head_dim, page_size, dtype, device)
+    attn = _attn(device, hq, hkv, head_dim, page_size, dtype, pt, policy, deterministic=deterministic)
+    plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4)
+    out = torch.full_like(q, float("nan"))
+    attn.run(plan, q, kc, vc, out=out)
+    assert_matches(out, q, kc, vc, cu, seq_lens, pt, page_size)
+    assert torch.all(out[int(cu[3]):int(cu[4])] == 0), "a padding row's query rows are zeros"
+    # The same plan serves the next layer (new q, same rows).
+    q2 = torch.randn_like(q)
+    assert_matches(attn.run(plan, q2, kc, vc), q2, kc, vc, cu, seq_lens, pt, page_size)
+
+
+@pytest.mark.parametrize("max_q_len,q_lens", [(2, [2, 2, 1, 2, 2]), (5, [5, 1, 3, 0, 5]), (8, [8, 7, 2, 1, 6]),
+                                              (16, [16, 9, 16, 2, 1])])
+def test_q_length_buckets(device, max_q_len, q_lens):
+    """Each bucket of q lengths (2, 3-4 ... 9-16 tokens) is its own kernel variant; rows of fewer
+    tokens than the bucket's run in it too. G = 8: 16 to 128 tile rows."""
+    hq, hkv, d, ps, dtype = 8, 1, 64, 16, torch.float16
+    lens = [200, 30, 64, 17, 5]
+    q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, d, ps, dtype, device, seed=max_q_len)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=max_q_len)
+    assert_matches(attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=max_q_len), q, kc, vc), q, kc, vc, cu,
+                   seq_lens, pt, ps)
+
+
+def _tree_masks(q_lens, seed):
+    """A random tree over each request's new tokens (token 0 the root; each later token a child
+    of an earlier one), as the rows' bit masks: token t sees itself and its ancestors."""
+    rng = np.random.default_rng(seed)
+    masks = []
+    for n in q_lens:
+        parent = [-1] + [int(rng.integers(0, t)) for t in range(1, n)]
+        for t in range(n):
+            bits, node = 0, t
+            while node >= 0:
+                bits |= 1 << node
+                node = parent[node]
+            masks.append(bits)
+    return masks
+
+
+@pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
+def test_tree_masks(device, policy, deterministic):
+    """Tree-shaped drafts (SGLang's topk > 1 and n-gram trees): each token sees the prefix and its
+    own branch; a chain-shaped mask equals the causal default bitwise."""
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, torch.float16
+    q_lens = [6, 3, 1, 2, 0]
+    q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, q_lens, hq, hkv, d, ps, dtype, device, seed=4)
+    tree = torch.tensor(_tree_masks(q_lens, 4), dtype=torch.int32, device=device)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, tree_masks=True,
+                 deterministic=deterministic)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=tree), q, kc, vc)
+    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps, tree_mask=tree)
+    chain = torch.tensor([(1 << (t + 1)) - 1 for n in q_lens for t in range(n)], dtype=torch.int32, device=device)
+    by_chain = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=chain), q, kc, vc)
+    causal = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6), q, kc, vc)
+    assert torch.equal(by_chain, causal)
+    assert max_error(out, causal.float()) > 1e-2, "the tree mask changed nothing"
+
+
+def _fp8(k_cache, v_cache):
+    k8, v8 = torch.empty_like(k_cache, dtype=FP8), torch.empty_like(v_cache, dtype=FP8)
+    slots = torch.arange(k_cache.shape[0], device=k_cache.device)
+    kv_write_reference(k8, v8, k_cache, v_cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    return k8, v8
+
+
+@pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
+@pytest.mark.parametrize("terms", [dict(sliding_window=20), dict(sliding_window=1), dict(logit_cap=2.0),
+                                   dict(sinks=True), dict(fp8=True),
+                                   dict(sliding_window=12, logit_cap=3.0, sinks=True, fp8=True)],
+                         ids=["window", "window-1", "cap", "sinks", "fp8", "all"])
+def test_layer_terms(device, policy, deterministic, terms):
+    """Each query token has its own window (keys > its position - W); soft-cap, sinks and an FP8
+    cache as for decode rows."""
+    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
+    q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, Q_LENS, hq, hkv, d, ps, dtype, device, seed=6)
+    layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))
+    run = {}
+    if terms.get("sinks"):
+        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
+    if terms.get("fp8"):
+        kc, vc = _fp8(kc, vc)
+        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, deterministic=deterministic, kv_dtype=kc.dtype, **layer)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc, **run)
+    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps, **layer, **run)
+
+
+def test_window_costs_the_keys_of_the_rows(device):
+    """Under a window W a row of q_len tokens reads (and the plan costs) the last W + q_len - 1
+    keys only: a 100-token request under W = 10 with 4 tokens is one 16-token tile, not 7."""
+    attn = evenkv.DecodeAttention(2, 1, 64, 16, torch.float16, device, 2, 8, num_ctas=3, max_q_len=4,
+                                  sliding_window=10)
+    plan = attn.plan(torch.tensor([100, 0], device=device), torch.zeros(2, 8, dtype=torch.int32, device=device),
+                     cu_seqlens_q=torch.tensor([0, 4, 4], dtype=torch.int32, device=device), q_len=4)
+    block_n = plan.config.block_n
+    assert int(plan.schedule.plan_scalars[1]) == -(-13 // block_n)
+
+
+def test_deterministic_rows_are_batch_invariant(device):
+    """A verify row gives the same bits alone and among other rows of other lengths."""
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, torch.bfloat16
+    q, kc, vc, seq_lens, pt, cu = verify_batch([700, 9, 40], [4, 2, 3], hq, hkv, d, ps, dtype, device, seed=8)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, deterministic=True)
+    together = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc)
+    alone = attn.run(attn.plan(seq_lens[:1], pt[:1], cu_seqlens_q=cu[:2], q_len=4), q[:4], kc, vc)
+    assert torch.equal(alone, together[:4])
+
+
+def test_rows_past_q_and_malformed_ranges_are_flagged(device):
+    """Query ranges that break the plan's bounds are clamped and flagged, never read or written
+    outside q and out: a q_len above the plan's (5 > 4), more query tokens than keys (3 > 2),
+    and rows past q's rows."""
+    from evenkv import errors
+
+    hq, hkv, d, ps, dtype = 4, 1, 64, 16, torch.float16
+    q, kc, vc, seq_lens, pt, cu = verify_batch([40, 2, 30], [5, 3, 2], hq, hkv, d, ps, dtype, device)
+    for policy in evenkv.POLICIES:
+        errors.error_flag(device).zero_()
+        attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy)
+        attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc)
+        assert errors.peek(device) == [errors.REASONS[errors.QUERY_OUT_OF_RANGE]], policy
+        errors.error_flag(device).zero_()
+        plan = attn.plan(seq_lens[2:], pt[2:], cu_seqlens_q=torch.tensor([8, 10], dtype=torch.int32, device=device),
+                         q_len=4)
+        out = torch.zeros(9, hq, d, dtype=dtype, device=device)
+        attn.run(plan, q[:9], kc, vc, out=out)  # rows 8 and 9: row 9 is past q
+        assert errors.peek(device) == [errors.REASONS[errors.QUERY_OUT_OF_RANGE]], policy
+        assert torch.isfinite(out).all() and torch.all(out[:8] == 0) and out[8].abs().sum() > 0
+    errors.error_flag(device).zero_()
+
+
+@pytest.mark.parametrize("policy", evenkv.POLICIES)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_nan_in_q_propagates(device, policy, q_len):
+    """A NaN in one query row makes that row's output NaN (as exact softmax attention does),
+    and only that row's: plain and verify rows."""
+    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.float16
+    q_lens = [q_len] * 3
+    q, kc, vc, seq_lens, pt, cu = verify_batch([90, 20, 7], q_lens, hq, hkv, d, ps, dtype, device, seed=2)
+    q[q_len, 1, 5] = float("nan")  # request 1's first token, query head 1
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=q_len)
+    plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu if q_len > 1 else None, q_len=q_len)
+    out = attn.run(plan, q, kc, vc)
+    assert torch.isnan(out[q_len, 1]).all()
+    nan_rows = torch.isnan(out).any(dim=-1)
+    assert int(nan_rows.sum()) == 1
+
+
+@pytest.mark.parametrize("delegated", [False, True], ids=["triton-extend", "engine-prefill"])
+def test_attention_mixes_verify_and_extend_rows(device, delegated):
+    """Attention runs decode rows of several tokens on the decode kernels and the rest of the
+    batch (prefill chunks) on the extend kernel or an engine's prefill kernel, whose rows start
+    at num_decode_tokens."""
+    from test_extend import ReferencePrefill
+
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, torch.float16
+    lens, q_lens = [60, 20, 9, 40, 12], [3, 1, 4, 13, 12]
+    q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, d, ps, dtype, device, seed=3)
+    prefill = ReferencePrefill() if delegated else None
+    attn = evenkv.Attention(hq, hkv, d, ps, dtype, device, 8, pt.shape[1], max_decode_q_len=4,
+                            prefill_kernel=prefill)
+    plan = attn.plan(cu, seq_lens, pt, num_decodes=3, max_q_len=13, decode_q_len=4, num_decode_tokens=8)
+    out = attn.run(plan, q, kc, vc)
+    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps)
+    if delegated:
+        assert prefill.calls[0]["cu"] == [0, 13, 25] and prefill.calls[0]["rows"] == sum(q_lens) - 8
+
+
+def test_attention_verify_plan_arguments(device):
+    pt = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    lens = torch.tensor([9, 9], dtype=torch.int32, device=device)
+    attn = evenkv.Attention(4, 2, 64, 16, torch.float16, device, 2, 4, max_decode_q_len=4)
+    with pytest.raises(ValueError, match="num_decode_tokens: decode rows of up to decode_q_len=2"):
+        attn.plan(cu, lens, pt, num_decodes=2, max_q_len=1, decode_q_len=2)
+    with pytest.raises(ValueError, match="decode_q_len: expected 1 to max_decode_q_len=4, got 5"):
+        attn.plan(cu, lens, pt, num_decodes=2, max_q_len=1, decode_q_len=5, num_decode_tokens=4)
+    with pytest.raises(ValueError, match="num_decode_tokens: expected 2 to 4"):
+        attn.plan(cu, lens, pt, num_decodes=2, max_q_len=1, decode_q_len=2, num_decode_tokens=5)
+    with pytest.raises(ValueError, match="tree_mask: expected None"):
+        attn.plan(cu, lens, pt, num_decodes=2, max_q_len=1, decode_q_len=2, num_decode_tokens=4,
+                  tree_mask=torch.zeros(4, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="max_q_len: expected 1 to 16"):
+        evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=17)
+    with pytest.raises(ValueError, match="max_q_len: 16 query tokens x G=16 heads make 256 tile rows"):
+        evenkv.DecodeAttention(16, 1, 64, 16, torch.float16, device, 2, 4, max_q_len=16)
+    with pytest.raises(ValueError, match="tree_masks: tree-shaped drafts under a sliding window"):
+        evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, tree_masks=True,
+                               sliding_window=64)
+    decode = evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4)
+    with pytest.raises(ValueError, match="cu_seqlens_q: rows of up to q_len=2 query tokens need cu_seqlens_q"):
+        decode.plan(lens, pt, q_len=2)
+    with pytest.raises(ValueError, match="q_len: expected at most this object's max_q_len=4, got 8"):
+        decode.plan(lens, pt, cu_seqlens_q=cu, q_len=8)
