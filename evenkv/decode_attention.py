@@ -278,7 +278,8 @@ class DecodeAttention:
         scratch = torch.empty(1, dtype=torch.float32, device=self.device)
         if self._kind == "stream":
             pdl = self._use_pdl(config)
-            schedule = dataclasses.replace(self._schedule, num_ctas=1)
+            # Any int32 buffers: a compile reads only their dtypes and alignment.
+            schedule = StreamSchedule(*[lens] * 8, num_ctas=1)
             if merge and self.deterministic:
                 launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
                                           query, self.num_kv_heads, 1, warmup=True)
