@@ -158,7 +158,6 @@ class EvenKVAttnBackend(AttentionBackend):
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         # Speculative verify: D query tokens per request, as decode rows (tree-masked or causal).
         self.verify_q_len, self.tree_verify = speculative_verify(model_runner.server_args)
-        verify = dict(max_decode_q_len=self.verify_q_len, tree_masks=self.tree_verify) if self.verify_q_len else {}
         prefill = sglang_flash_attention(self.device)
         self.layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model, self.swa_layer_ids)
         self.attentions = {}
@@ -167,7 +166,8 @@ class EvenKVAttnBackend(AttentionBackend):
                 self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.device,
                 max_batch_size, self.max_pages, policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
                 kv_dtype=self.kv_dtype, prefill_kernel=prefill, deterministic=True if deterministic else None,
-                max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21, **verify)
+                max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21, max_decode_q_len=max(1, self.verify_q_len),
+                tree_masks=self.tree_verify)
             logger.info("evenkv: attention layers of %s decode on evenkv's balanced kernels; prefill and extend run "
                         "on %s", kind, self.attentions[kind].prefill_reason)
         # Server flag or EVENKV_DETERMINISTIC, as the Attention objects resolved it.
