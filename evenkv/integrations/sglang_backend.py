@@ -17,7 +17,8 @@ What SGLang hands us, and what we make of it (SGLang 0.5.17 to 0.5.23):
   ``full_to_swa_index_mapping[full slot]``, which SGLang zeroes (the dummy slot) once the
   token has left every window. Window layers plan on the translated page table and write
   through ``KVWriteLoc(loc, swa_loc)``; their decode reads only the window's pages, so the
-  zeroed entries before it are never read, and the page audit sees valid ids there.
+  zeroed entries before it are never read (an extend tile across the window's left edge may
+  load the dummy page, and masks it out), and the page audit sees valid ids there.
 
 One ``evenkv.Attention`` per layer kind (``LayerKind``: sliding window, soft-cap, which token
 pool; gpt-oss and Gemma alternate two) plans each batch once (``init_forward_metadata``) and
