@@ -11,8 +11,8 @@ What SGLang hands us, and what we make of it (SGLang 0.5.17 to 0.5.23):
   exclude its draft tokens: evenkv's lengths add them).
 - KV buffers ``[num_slots, Hkv, D]`` per layer (``MHATokenToKVPool``, NHD). New K/V are
   written with the pool's ``set_kv_buffer`` before attention, as every SGLang backend does.
-- The hybrid pool (``SWAKVPool``, SGLang's default for gpt-oss-style models with window
-  layers): a full token pool for the full-attention layers and a smaller one for the
+- The hybrid pool (``SWAKVPool``, SGLang's default for models with window layers, such as
+  Mellum): a full token pool for the full-attention layers and a smaller one for the
   sliding-window layers. ``req_to_token`` holds full-pool slots; a window layer's slot is
   ``full_to_swa_index_mapping[full slot]``, which SGLang zeroes (the dummy slot) once the
   token has left every window. Window layers plan on the translated page table and write
