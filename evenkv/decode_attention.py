@@ -287,7 +287,7 @@ class DecodeAttention:
                 launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self.num_kv_heads,
                                            config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
-                                               lens, lens, t["page_table"], schedule, self._errors, terms, query,
+                                               lens, lens, lens, t["page_table"], schedule, self._errors, terms, query,
                                                self.page_size, config, pdl, self.deterministic, warmup=True)
         if merge and self._kind == "units":
             launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
