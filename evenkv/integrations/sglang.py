@@ -11,6 +11,18 @@ Knob: ``EVENKV_POLICY`` = ``balanced`` (default) | ``fa3`` | ``none`` picks the 
 schedule (``evenkv.DecodeAttention``'s ``policy``); ``EVENKV_DETERMINISTIC=1`` makes decode
 batch invariant (``DecodeAttention(deterministic=True)``).
 
+Speculative decoding (``--speculative-algorithm NGRAM | EAGLE | EAGLE3 | STANDALONE``): the target
+model's verify batches run on evenkv (``speculative_verify``). The draft model's attention does
+not: SGLang builds a draft worker's backends from a fixed table of its own
+(``DraftBackendFactory``, ``sglang/srt/speculative/draft_utils.py``), so EAGLE-family drafts run
+on the backend named by ``--speculative-draft-attention-backend``.
+
+gpt-oss (``GptOssForCausalLM``; Gemma 4 and Llama 4 likewise) cannot select evenkv: SGLang
+asserts that both attention backends are in a list literal of built-in names (0.5.17:
+``ServerArgs._handle_model_specific_adjustments`` in ``sglang/srt/server_args.py``; 0.5.23:
+``handle_model_specific_adjustments`` in ``sglang/srt/arg_groups/model_hook.py``), with no
+registry or choices hook a plugin could extend.
+
 Tested with SGLang 0.5.17 and 0.5.23.
 """
 
@@ -20,6 +32,8 @@ import os
 
 NAME = "evenkv"
 POLICY_ENV = "EVENKV_POLICY"
+# SGLang's names of the algorithms whose target-model verify evenkv runs (NEXTN is EAGLE's alias).
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 
 
 def register() -> None:
@@ -67,9 +81,8 @@ def create_backend(model_runner):
 
 def unsupported_reasons(model_runner) -> list[str]:
     """Every reason evenkv cannot serve ``model_runner``'s configuration ([] = supported)."""
-    from evenkv.checks import PAGE_SIZES
+    from evenkv.checks import FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES
     from evenkv.decode_attention import POLICIES
-    from evenkv.checks import FP8_KV_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
     reasons = []
     args = model_runner.server_args
@@ -85,12 +98,10 @@ def unsupported_reasons(model_runner) -> list[str]:
     if getattr(cfg, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (cross attention) are not supported")
 
+    # Speculative decoding: the target model's verify batches only.
+    reasons += _speculative_reasons(model_runner)
+
     # Serving modes evenkv does not implement.
-    if getattr(args, "speculative_algorithm", None) is not None:
-        reasons.append(f"speculative decoding ({args.speculative_algorithm}) is not supported: evenkv implements "
-                       "no target-verify / draft-extend metadata")
-    if getattr(model_runner, "is_draft_worker", False):
-        reasons.append("draft workers (speculative decoding) are not supported")
     if getattr(args, "dllm_algorithm", None) is not None:
         reasons.append(f"diffusion LLM decoding ({args.dllm_algorithm}) is not supported (block-bidirectional "
                        "attention)")
@@ -101,29 +112,15 @@ def unsupported_reasons(model_runner) -> list[str]:
         if size is not None and size > 1:
             reasons.append(f"{what} ({field}={size}) is not supported")
 
-    # KV cache: a plain token pool in the model dtype, NHD layout, identity slot ids.
+    # KV cache: a plain token pool (or SGLang's hybrid SWA pool of two) in the model dtype, NHD
+    # layout, identity slot ids.
     pool = model_runner.token_to_kv_pool
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    if not isinstance(pool, MHATokenToKVPool):
-        hint = (" (a sliding-window model: add --disable-hybrid-swa-memory, so every layer reads the one "
-                "token pool)" if getattr(model_runner, "is_hybrid_swa", False) else "")
-        reasons.append(f"KV pool {type(pool).__name__} is not supported (evenkv reads MHATokenToKVPool's "
-                       f"[slots, heads, head_dim] buffers; hybrid SWA/linear/MLA pools are not){hint}")
-    else:
-        if getattr(pool, "kv_cache_layout", "nhd") != "nhd":
-            reasons.append(f"KV cache layout {pool.kv_cache_layout!r} is not supported (only NHD; unset "
-                           "SGLANG_USE_HND_KVCACHE)")
-        if getattr(pool, "is_quantized_kv_cache", False) or pool.dtype not in SUPPORTED_DTYPES + FP8_KV_DTYPES:
-            reasons.append(f"KV cache dtype {pool.dtype} is not supported (fp16/bf16, or fp8_e4m3 with per-tensor "
-                           "scales; no fp8_e5m2/fp4 KV cache)")
-        if pool.head_dim not in SUPPORTED_HEAD_DIMS:
-            reasons.append(f"head_dim {pool.head_dim} is not supported (evenkv: {SUPPORTED_HEAD_DIMS})")
-        if pool.v_head_dim != pool.head_dim:
-            reasons.append(f"v_head_dim {pool.v_head_dim} != head_dim {pool.head_dim} is not supported")
+    token_pools, pool_reasons = _token_pools(pool)
+    reasons += pool_reasons
+    for name, token_pool in token_pools:
+        reasons += [f"{name}{reason}" for reason in _token_pool_reasons(token_pool)]
     model_dtype = getattr(model_runner, "dtype", None)
-    if model_dtype is not None and isinstance(pool, MHATokenToKVPool) and model_dtype != pool.dtype \
-            and pool.dtype not in FP8_KV_DTYPES:
+    if model_dtype is not None and token_pools and model_dtype != pool.dtype and pool.dtype not in FP8_KV_DTYPES:
         reasons.append(f"model dtype {model_dtype} differs from KV cache dtype {pool.dtype}")
     if model_dtype is not None and model_dtype not in SUPPORTED_DTYPES:
         reasons.append(f"model dtype {model_dtype} is not supported (evenkv: fp16/bf16)")
@@ -138,6 +135,105 @@ def unsupported_reasons(model_runner) -> list[str]:
     page_size = getattr(model_runner, "page_size", 1) or 1
     if page_size not in PAGE_SIZES:
         reasons.append(f"page size {page_size} is not supported (evenkv: {PAGE_SIZES})")
+    return reasons
+
+
+def speculative_verify(server_args) -> tuple[int, bool]:
+    """(query tokens of each target-verify request, whether verify rows carry a tree mask) under
+    ``server_args``' speculative decoding; (0, False) without it. A request verifies
+    ``speculative_num_draft_tokens`` tokens (EAGLE: the root and the drafts); NGRAM's drafts and
+    EAGLE's with ``speculative_eagle_topk`` > 1 form trees, EAGLE's with topk 1 a chain (causal)."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm is None:
+        return 0, False
+    q_len = int(getattr(server_args, "speculative_num_draft_tokens", None) or 0)
+    tree = algorithm == "NGRAM" or int(getattr(server_args, "speculative_eagle_topk", None) or 1) > 1
+    return q_len, tree
+
+
+def _speculative_reasons(model_runner) -> list[str]:
+    args = model_runner.server_args
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if getattr(model_runner, "is_draft_worker", False):
+        return ["the draft model of speculative decoding: SGLang builds a draft worker's attention backends "
+                "from a fixed table of its own (DraftBackendFactory, sglang/srt/speculative/draft_utils.py); "
+                "keep evenkv for the target model and pass --speculative-draft-attention-backend triton "
+                "(or fa3, flashinfer)"]
+    if algorithm is None:
+        return []
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        return [f"speculative decoding with {algorithm} is not supported (evenkv verifies for "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)})"]
+    from evenkv.decode_attention import MAX_DECODE_Q_LEN
+
+    reasons = []
+    q_len, tree = speculative_verify(args)
+    if not 1 <= q_len <= MAX_DECODE_Q_LEN:
+        reasons.append(f"speculative_num_draft_tokens={q_len}: evenkv verifies 1 to {MAX_DECODE_Q_LEN} tokens "
+                       "per request")
+    page_size = getattr(model_runner, "page_size", 1) or 1
+    if tree and page_size > 1:
+        reasons.append(f"draft trees ({algorithm}, topk {getattr(args, 'speculative_eagle_topk', None)}) with page "
+                       f"size {page_size}: SGLang lays tree drafts out per page only for its own backends; use "
+                       "--page-size 1")
+    if tree:
+        from evenkv.integrations.sglang_backend import model_layer_kinds
+
+        kinds, _ = model_layer_kinds(model_runner.model)
+        if any(kind.window for kind in kinds.values()):
+            reasons.append(f"draft trees ({algorithm}) on a model with sliding-window layers: evenkv's tree-masked "
+                           "verify rows take no window; use a chain (EAGLE with --speculative-eagle-topk 1)")
+    return reasons
+
+
+def _token_pools(pool) -> tuple[list, list[str]]:
+    """The MHA token pools behind SGLang's ``token_to_kv_pool`` as [(name, pool)] (the pool
+    itself; or the full and sliding-window sub-pools of the hybrid ``SWAKVPool``), and the
+    reasons the pool is refused."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    if isinstance(pool, MHATokenToKVPool):
+        return [("", pool)], []
+    if not isinstance(pool, SWAKVPool):
+        return [], [f"KV pool {type(pool).__name__} is not supported (evenkv reads MHATokenToKVPool's [slots, heads, "
+                    "head_dim] buffers, alone or as the two token pools of the hybrid SWAKVPool; linear, MLA and "
+                    "per-request-window pools are not)"]
+    reasons = []
+    if getattr(pool, "full_to_swa_index_mapping", None) is None:
+        reasons.append(f"hybrid pool {type(pool).__name__} has no full->SWA index mapping (evenkv translates "
+                       "req_to_token slots through it for the sliding-window layers)")
+    for field in ("swa_req_ring_size", "request_window"):  # SGLang >= 0.5.23 window layouts
+        if getattr(pool, field, None) is not None:
+            reasons.append(f"hybrid pool with {field}={getattr(pool, field)!r} (per-request SWA windows) is not "
+                           "supported")
+    if getattr(pool, "swa_uses_full_indices", False):
+        reasons.append("hybrid pool whose SWA layers index the full pool's slots is not supported")
+    subs = [("full-attention pool: ", pool.full_kv_pool), ("sliding-window pool: ", pool.swa_kv_pool)]
+    for name, sub in subs:
+        if not isinstance(sub, MHATokenToKVPool):
+            reasons.append(f"{name}{type(sub).__name__} is not supported (evenkv reads MHATokenToKVPool buffers)")
+        elif (sub.head_num, sub.head_dim) != (pool.head_num, pool.head_dim):
+            reasons.append(f"{name}(heads, head_dim) = ({sub.head_num}, {sub.head_dim}) differ from the model's "
+                           f"({pool.head_num}, {pool.head_dim}) (per-pool head shapes are not supported)")
+    return [(name, sub) for name, sub in subs if isinstance(sub, MHATokenToKVPool)], reasons
+
+
+def _token_pool_reasons(pool) -> list[str]:
+    """Why evenkv cannot read one MHA token pool ([] = it can)."""
+    from evenkv.checks import FP8_KV_DTYPES, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+    reasons = []
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        reasons.append(f"KV cache layout {pool.kv_cache_layout!r} is not supported (only NHD; unset "
+                       "SGLANG_USE_HND_KVCACHE)")
+    if getattr(pool, "is_quantized_kv_cache", False) or pool.dtype not in SUPPORTED_DTYPES + FP8_KV_DTYPES:
+        reasons.append(f"KV cache dtype {pool.dtype} is not supported (fp16/bf16, or fp8_e4m3 with per-tensor "
+                       "scales; no fp8_e5m2/fp4 KV cache)")
+    if pool.head_dim not in SUPPORTED_HEAD_DIMS:
+        reasons.append(f"head_dim {pool.head_dim} is not supported (evenkv: {SUPPORTED_HEAD_DIMS})")
+    if pool.v_head_dim != pool.head_dim:
+        reasons.append(f"v_head_dim {pool.v_head_dim} != head_dim {pool.head_dim} is not supported")
     return reasons
 
 
@@ -157,4 +253,5 @@ def _parallel_size(field: str) -> int | None:
         return None
 
 
-__all__ = ["NAME", "register", "create_backend", "unsupported_reasons"]
+__all__ = ["NAME", "SPECULATIVE_ALGORITHMS", "create_backend", "register", "speculative_verify",
+           "unsupported_reasons"]

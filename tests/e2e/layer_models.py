@@ -6,6 +6,10 @@ attention (GPU machine; tests/e2e/vllm.sh uses them):
         head dim 64, sinks, 128-token sliding window on every other layer (4 layers, 4 experts)
     python tests/e2e/layer_models.py window QWEN3_DIR OUT    a copy of a Qwen3 checkpoint whose
         every layer has a 128-token sliding window (Mistral-style; HF and vLLM both apply it)
+    python tests/e2e/layer_models.py mellum OUT    128-token sliding-window layers alternating with
+        full ones (16 q / 4 kv heads, head dim 128, 4 layers, dense MLPs): a Mellum checkpoint, an
+        architecture SGLang serves on its hybrid SWA pool by default and that lists no attention
+        backends (gpt-oss's list refuses plugins)
 
 Weights are random bf16 (initializer range 0.05); no tokenizer (prompts are token ids).
 """
@@ -37,6 +41,21 @@ def gpt_oss(out: Path) -> None:
     model.save_pretrained(out)
 
 
+def mellum(out: Path) -> None:
+    import torch
+    from transformers import MellumConfig, MellumForCausalLM
+
+    layers = 4
+    cfg = MellumConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, sliding_window=WINDOW,
+                       max_position_embeddings=8192,
+                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                       mlp_layer_types=["dense"] * layers, initializer_range=0.05, tie_word_embeddings=False)
+    cfg.architectures = ["MellumForCausalLM"]
+    torch.manual_seed(0)
+    MellumForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+
+
 def windowed(src: Path, out: Path) -> None:
     shutil.copytree(src, out, dirs_exist_ok=True)
     path = out / "config.json"
@@ -49,6 +68,8 @@ def windowed(src: Path, out: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "gpt-oss":
         gpt_oss(Path(sys.argv[2]))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "mellum":
+        mellum(Path(sys.argv[2]))
     elif len(sys.argv) >= 4 and sys.argv[1] == "window":
         windowed(Path(sys.argv[2]), Path(sys.argv[3]))
     else:

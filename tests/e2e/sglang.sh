@@ -12,6 +12,10 @@
 #           graph replay) plus its CPU-lane tests run on the GPU
 #   fp8     tests/e2e/compare.py --compare on the tiny Qwen3 with --kv-cache-dtype fp8_e4m3: evenkv and
 #           triton both over an e4m3 pool (CUDA graphs), tokens and logprobs against HF and each other
+#   swa     tests/e2e/compare.py --compare on a tiny random Mellum (layer_models.py mellum: 128-token window
+#           layers alternating with full ones), which SGLang serves on its hybrid SWA pool (two token pools,
+#           window layers through the full->SWA mapping): evenkv and triton, CUDA graphs, prompts longer than the
+#           window; tokens and logprobs against HF (ok=1) and each other
 #   server  the HTTP server at full size through benchmarks/serving.py (evenkv only, chat workload):
 #           `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B attention shape, dummy
 #           weights, CUDA graphs), 256 concurrent streaming requests on /generate, stopped by PID; start-up
@@ -118,6 +122,14 @@ step_fp8() {
     --kv-cache-dtype fp8_e4m3
 }
 
+step_swa() {
+  local m=$MODEL-mellum-swa
+  if [ ! -f "$m/config.json" ]; then
+    python3 "$ROOT/tests/e2e/layer_models.py" mellum "$m" > "$L/swa-model.log" 2>&1 || { tail "$L/swa-model.log"; return 1; }
+  fi
+  run_step swa 330 200 python3 "$ROOT/tests/e2e/compare.py" "$m" --engine sglang --graphs 1 --compare
+}
+
 step_server() {
   (cd "$ROOT" && run_step server 300 200 python3 -m benchmarks.serving sglang --backends evenkv --workloads chat \
     --out "$L/server" --budget 280 --min-child 200)
@@ -131,6 +143,7 @@ for s in ${@:-checks skew pytest}; do
     pytest) step_pytest ;;
     server) step_server ;;
     fp8) step_fp8 ;;
+    swa) step_swa ;;
     invariance) model && run_step invariance 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
       --engine sglang --backend evenkv ;;
     invariance-default) model && run_step invariance-default 240 100 python3 "$ROOT/tests/e2e/invariance.py" \
@@ -139,7 +152,7 @@ for s in ${@:-checks skew pytest}; do
       --graphs 1 --compare --spec-ngram 3 --baseline default ;;
     openai) model && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" --engine sglang \
       --log "$L/openai-server.log" ;;
-    *) echo "unknown step $s (checks | skew | pytest | fp8 | server | invariance | invariance-default |" \
+    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | server | invariance | invariance-default |" \
          "spec-ngram | openai)"; exit 2 ;;
   esac
 done

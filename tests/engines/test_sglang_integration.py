@@ -39,13 +39,17 @@ from sglang.srt.layers.attention import attention_registry  # noqa: E402
 from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel, get_server_args  # noqa: E402
 from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+from sglang.srt.speculative.ngram_info import NgramVerifyInput  # noqa: E402
 
 from evenkv.integrations import sglang as plugin  # noqa: E402
 from evenkv.integrations.sglang_backend import EvenKVAttnBackend, LayerKind  # noqa: E402
+from evenkv import errors  # noqa: E402
 from evenkv.kernels.reference import extend_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR, assert_close_to_reference  # noqa: E402
 
@@ -87,10 +91,15 @@ class World:
     ``pages[r]`` is the test's own record of request r's pages, from which the reference
     page table is built. ``req_to_token`` rows hold the slots (token-granular, as SGLang
     writes them) and GARBAGE_SLOT past each request's capacity; row 0 stays zeros.
+
+    ``swa_layers``: SGLang's hybrid pool (``SWAKVPool``, with its real allocator owning the
+    full->SWA mapping): those layers' K/V live in a second, smaller token pool whose pages
+    its allocator hands out in its own order (``swa_pages[r]``), so a full slot read as a
+    sliding-window one reads the wrong token.
     """
 
     def __init__(self, page_size, device, dtype, *, hq=None, hkv=None, d=None, layers=2, max_reqs=6, ctx=96,
-                 num_pages=None, seed=0, layer_kw=None, kv_dtype=None):
+                 num_pages=None, seed=0, layer_kw=None, kv_dtype=None, swa_layers=None, total_q_heads=None):
         if device.type == "cuda":
             # Hkv * D * 2 bytes = 1024: the row width of the SGLang kit's pre-built store_cache
             # kernel (set_kv_buffer), so the GPU lane compiles nothing with nvcc.
@@ -104,9 +113,21 @@ class World:
         self.req_pool = ReqToTokenPool(size=max_reqs, max_context_len=ctx, device=str(device),
                                        enable_memory_saver=False)
         num_pages = num_pages or max_reqs * math.ceil(ctx / page_size) + 2
-        self.kv_pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size, dtype=kv_dtype or dtype,
-                                        head_num=hkv, head_dim=d, layer_num=layers, device=str(device),
-                                        enable_memory_saver=False, enable_alt_stream=False)
+        self.swa_layers = frozenset(swa_layers or ())
+        if swa_layers is None:
+            self.kv_pool = MHATokenToKVPool(size=num_pages * page_size, page_size=page_size, dtype=kv_dtype or dtype,
+                                            head_num=hkv, head_dim=d, layer_num=layers, device=str(device),
+                                            enable_memory_saver=False, enable_alt_stream=False)
+        else:
+            num_swa_pages = num_pages - 1  # its own size: slot numbers differ between the pools
+            self.kv_pool = SWAKVPool(size=num_pages * page_size, size_swa=num_swa_pages * page_size,
+                                     page_size=page_size, dtype=kv_dtype or dtype, head_num=hkv, head_dim=d,
+                                     swa_attention_layer_ids=sorted(self.swa_layers),
+                                     full_attention_layer_ids=[i for i in range(layers) if i not in self.swa_layers],
+                                     device=str(device), enable_alt_stream=False)
+            self.allocator = SWATokenToKVPoolAllocator(num_pages * page_size, num_swa_pages * page_size, page_size,
+                                                       kv_dtype or dtype, str(device), self.kv_pool, need_sort=False)
+        self.swa_pages: dict[int, list[int]] = {}
         for layer in range(layers):
             for buf in self.kv_pool.get_kv_buffer(layer):
                 buf.copy_(self.randn(*buf.shape))
@@ -116,8 +137,10 @@ class World:
         # layer_kw: per-layer RadixAttention keywords (sliding_window_size, logit_cap, ...).
         self.layers = [RadixAttention(hq, d, d ** -0.5, hkv, layer_id=i, **(layer_kw[i] if layer_kw else {}))
                        for i in range(layers)]
+        # total_q_heads: the model's, split over attention TP ranks (hq per rank).
         model_config = SimpleNamespace(context_len=ctx, attention_arch=AttentionArch.MHA, is_encoder_decoder=False,
-                                       get_max_num_attention_heads=lambda: hq, get_num_kv_heads=lambda tp: hkv)
+                                       get_max_num_attention_heads=lambda: total_q_heads or hq,
+                                       get_num_kv_heads=lambda tp: hkv)
         self.runner = SimpleNamespace(device=str(device), gpu_id=0, req_to_token_pool=self.req_pool,
                                       token_to_kv_pool=self.kv_pool, token_to_kv_pool_allocator=None,
                                       kv_index_translator=None, model_config=model_config,
@@ -134,12 +157,43 @@ class World:
         row = self.req_pool.req_to_token[r]
         row.fill_(GARBAGE_SLOT)
         row[:capacity] = self.slots(r, 0, capacity)
+        if self.swa_layers:
+            # Sliding-window slots from the pool's own allocator (whose free_swa takes them
+            # back), in its order: not the full pool's.
+            swa = self.allocator.swa_attn_allocator.alloc(n * self.page_size)
+            self.swa_pages[r] = (swa[::self.page_size] // self.page_size).tolist()
+            swa_slots = self.slots(r, 0, capacity, swa=True)
+            self.allocator.set_full_to_swa_mapping(self.slots(r, 0, capacity), swa_slots)
+            for layer in self.swa_layers:  # the request's own tokens (a slot freed before may hold NaN)
+                for buf in self.kv_pool.get_kv_buffer(layer):
+                    buf[swa_slots] = self.randn(capacity, *buf.shape[1:])
         return r
 
-    def slots(self, r: int, begin: int, end: int) -> torch.Tensor:
+    def slots(self, r: int, begin: int, end: int, *, swa: bool = False) -> torch.Tensor:
+        """Slots of request r's positions [begin, end): in the full pool, or (swa) in the hybrid
+        pool's sliding-window pool, as allocated (a position evicted since keeps its record)."""
         pos = torch.arange(begin, end)
-        pages = torch.tensor(self.pages[r], dtype=torch.int64)
+        pages = torch.tensor((self.swa_pages if swa else self.pages)[r], dtype=torch.int64)
         return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).to(self.device)
+
+    def layer_slots(self, r: int, layer_id: int, positions) -> list[int]:
+        """Slots, in layer layer_id's own pool, of request r's positions."""
+        swa = layer_id in self.swa_layers
+        return [int(self.slots(r, p, p + 1, swa=swa)) for p in positions]
+
+    def evict_window(self, r: int, end: int, dummy: float = float("nan")) -> None:
+        """What SGLang does once positions [0, end) (whole pages) have left every window: free
+        their sliding-window slots (the mapping reads the dummy slot 0 for them). The freed
+        slots are then filled with NaN, and the sliding-window pool's dummy page with
+        ``dummy``: NaN proves nothing reads there, a large finite value that whatever reads
+        there only loads it and masks it out (SGLang's dummy page holds finite values)."""
+        if end <= 0:
+            return
+        self.allocator.free_swa(self.slots(r, 0, end))
+        for layer in self.swa_layers:
+            for buf in self.kv_pool.get_kv_buffer(layer):
+                buf[self.slots(r, 0, end, swa=True)] = float("nan")
+                buf[: self.page_size] = dummy
 
     def page_table(self, reqs) -> torch.Tensor:
         """Reference page table [B, max_pages] int32 from the test's own allocation."""
@@ -180,6 +234,26 @@ class World:
                                                                                          device=dev),
                             extend_start_loc=start.to(dev), extend_prefix_lens_cpu=list(prefix),
                             extend_seq_lens_cpu=list(new))
+
+    def verify_batch(self, reqs, cached, q_len, masks=None, *, with_cpu_lens=True) -> ForwardBatch:
+        """TARGET_VERIFY: request reqs[b] has cached[b] tokens and verifies q_len more after them
+        (slots already in req_to_token, as SGLang allocates them); masks[b] [q_len, q_len] bool,
+        the draft tree (None: a causal chain). SGLang's lengths exclude the drafts; spec_info
+        carries the FULL_MASK layout (``full_mask``)."""
+        seq = torch.tensor(cached, dtype=torch.int64)
+        masks = masks or [chain_mask(q_len)] * len(reqs)
+        loc = torch.cat([self.slots(r, c, c + q_len) for r, c in zip(reqs, cached)])
+        positions = torch.cat([c + m.sum(1) - 1 for c, m in zip(cached, masks)])  # a token's depth in its tree
+        args = self.runner.server_args
+        spec_info = verify_input(getattr(args, "speculative_algorithm", None), full_mask(cached, masks).to(self.device),
+                                 q_len, getattr(args, "speculative_eagle_topk", None) or 1)
+        dev = self.device
+        return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(reqs),
+                            input_ids=torch.zeros(len(reqs) * q_len, dtype=torch.int64, device=dev),
+                            req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=dev), seq_lens=seq.to(dev),
+                            out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
+                            seq_lens_cpu=seq.clone() if with_cpu_lens else None, positions=positions.to(dev),
+                            spec_info=spec_info)
 
     def backend(self) -> EvenKVAttnBackend:
         """Built the way SGLang's model runner builds a backend from --attention-backend."""
@@ -235,6 +309,73 @@ def check_extend(world, out, q, fb, layer_id=0, sinks=None):
 def attention_of(backend):
     """The backend's Attention of plain layers (the worlds' default layers)."""
     return backend.attentions[LayerKind()]
+
+
+def verify_input(algorithm, custom_mask, q_len, topk):
+    """The SpecInput SGLang's worker for ``algorithm`` hands a verify batch (EAGLE's for the
+    EAGLE family, NGRAM's otherwise), carrying custom_mask and q_len draft tokens."""
+    if algorithm in ("EAGLE", "EAGLE3", "STANDALONE"):
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        return EagleVerifyInput(draft_token=None, custom_mask=custom_mask, positions=None, retrieve_index=None,
+                                retrieve_next_token=None, retrieve_next_sibling=None, retrieve_cum_len=None,
+                                spec_steps=q_len - 1, topk=topk, draft_token_num=q_len, capture_hidden_mode=None,
+                                seq_lens_sum=None, seq_lens_cpu=None)
+    return NgramVerifyInput(custom_mask=custom_mask, draft_token_num=q_len)
+
+
+def chain_mask(q_len: int) -> torch.Tensor:
+    """[q_len, q_len] bool: draft i sees drafts 0..i (EAGLE with topk 1)."""
+    return torch.ones(q_len, q_len, dtype=torch.bool).tril()
+
+
+def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
+    """[q_len, q_len] bool of a random draft tree rooted at draft 0: draft i sees itself and
+    its ancestors (what SGLang's tree builders write)."""
+    mask = torch.eye(q_len, dtype=torch.bool)
+    for i in range(1, q_len):
+        parent = int(torch.randint(0, i, (1,), generator=gen))
+        mask[i] |= mask[parent]
+    return mask
+
+
+def full_mask(cached, masks) -> torch.Tensor:
+    """SGLang's FULL_MASK custom_mask: per request the q_len x (cached + q_len) rows of its
+    drafts (every cached token visible, then the tree), flattened, requests back to back."""
+    return torch.cat([torch.cat([torch.ones(m.shape[0], c, dtype=torch.bool), m], 1).flatten()
+                      for c, m in zip(cached, masks)])
+
+
+def visible_slots(world, layer, reqs, starts, q_lens, masks=None) -> list[list[int]]:
+    """Per query row, the slots (in the layer's own pool) of the keys it attends to: query i of
+    request reqs[b] sits at position starts[b] + i and sees every earlier position, and the new
+    tokens masks[b] allows (None: causal), all within the layer's window. From the test's own
+    slot records, not from req_to_token or the pool's mapping."""
+    window = layer.sliding_window_size + 1 if layer.sliding_window_size > -1 else None
+    rows = []
+    for b, (r, start, q_len) in enumerate(zip(reqs, starts, q_lens)):
+        for i in range(q_len):
+            pos = start + i
+            new = [start + j for j in range(q_len) if (j <= i if masks is None else bool(masks[b][i, j]))]
+            seen = [p for p in list(range(start)) + new if window is None or p > pos - window]
+            rows.append(world.layer_slots(r, layer.layer_id, seen))
+    return rows
+
+
+def check_against_slots(world, out, q, rows, layer, sinks=None):
+    """out, q [R, Hq*D]: row i against the fp32 oracle over exactly the keys rows[i] lists
+    (slot ids of the layer's pool, read as a page-size-1 cache), the layer's soft-cap and
+    sinks, the tolerance rule of helpers.py."""
+    k_cache, v_cache = world.kv_pool.get_kv_buffer(layer.layer_id)
+    hq, d = world.hq, world.d
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int32, device=q.device)
+    table = torch.zeros(len(rows), max(1, int(lens.max())), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    terms = {k: v for k, v in layer_terms(layer, sinks).items() if k != "sliding_window"}  # rows hold the window
+    assert out.shape == (len(rows), hq * d)
+    assert_close_to_reference(out.view(-1, hq, d), q.view(-1, hq, d), k_cache, v_cache, lens, table.to(q.device), 1,
+                              d ** -0.5, **terms)
 
 
 # -- registration and selection --------------------------------------------------------
@@ -300,7 +441,7 @@ def test_policy_from_environment(lane, monkeypatch):
 @pytest.mark.parametrize("overrides,fragment", [
     (dict(use_mla_backend=True), "MLA"),
     (dict(page_size=3), "page size 3"),
-    (dict(is_draft_worker=True), "draft workers"),
+    (dict(is_draft_worker=True), "speculative-draft-attention-backend"),
 ])
 def test_refuses_unsupported_runner(lane, overrides, fragment):
     world = World(1, *lane)
@@ -313,11 +454,11 @@ def test_refuses_unsupported_runner(lane, overrides, fragment):
 def test_refusal_lists_every_reason(lane):
     world = World(1, *lane)
     # A resolved ServerArgs is read-only; the factory reads these three fields.
-    world.runner.server_args = SimpleNamespace(speculative_algorithm="EAGLE", enable_pdmux=True, dllm_algorithm=None)
+    world.runner.server_args = SimpleNamespace(speculative_algorithm="DFLASH", enable_pdmux=True, dllm_algorithm=None)
     world.runner.model_config.is_encoder_decoder = True
     with pytest.raises(NotImplementedError) as info:
         world.backend()
-    for fragment in ("speculative decoding (EAGLE)", "PD multiplexing", "encoder-decoder"):
+    for fragment in ("speculative decoding with DFLASH", "PD multiplexing", "encoder-decoder"):
         assert fragment in str(info.value)
 
 
@@ -483,13 +624,16 @@ def test_mixed_batch_and_padded_rows(lane):
     check_extend(world, out[:t], q[:t], fb)
 
 
-def test_refuses_speculative_modes_at_metadata(lane):
+def test_refuses_verify_and_draft_batches_it_was_not_built_for(lane):
+    """A verify batch for a backend built without speculative decoding, and a draft model's
+    DRAFT_EXTEND_V2 batch (drafts run on SGLang's own backends), are refused by name."""
     world = World(1, *lane)
     backend = world.backend()
     r = world.add_request(8)
-    fb = world.extend_batch([r], [3], [2], mode=ForwardMode.TARGET_VERIFY)
     with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
-        backend.init_forward_metadata(fb)
+        backend.init_forward_metadata(world.verify_batch([r], [3], 2))
+    with pytest.raises(NotImplementedError, match="DRAFT_EXTEND_V2"):
+        backend.init_forward_metadata(world.extend_batch([r], [3], [2], mode=ForwardMode.DRAFT_EXTEND_V2))
 
 
 def test_bad_page_in_the_request_pool_is_logged_at_a_later_step(lane, caplog):
@@ -497,8 +641,6 @@ def test_bad_page_in_the_request_pool_is_logged_at_a_later_step(lane, caplog):
     the device, and the backend's per-step poll logs it (without a sync on the GPU: there it
     arrives one poll later) and clears the flag."""
     import logging
-
-    from evenkv import errors
 
     errors.check_errors(lane[0])  # start clean: earlier tests may have left bits
     world = World(1, *lane)
@@ -522,33 +664,44 @@ def test_bad_page_in_the_request_pool_is_logged_at_a_later_step(lane, caplog):
 # -- CUDA-graph metadata sequence ----------------------------------------------------------
 
 
-class DecodeGraphDriver:
-    """Drives a backend through the decode graph runner's sequence (SGLang 0.5.17,
-    decode_cuda_graph_runner.py): init_cuda_graph_state; per captured bs, out_graph(fb,
-    in_capture=True) then the captured body (in_graph + forward per layer) on static
-    buffers filled with the fill value; per replay, refill the static buffers (padded rows:
-    req_pool_indices 0, seq_lens = fill value), out_graph(SimpleNamespace view), replay.
+class GraphDriver:
+    """Drives a backend through SGLang's decode graph runner sequence (SGLang 0.5.17,
+    decode_cuda_graph_runner.py), for DECODE graphs (one token per request) or, with
+    ``q_len`` > 1, the TARGET_VERIFY graphs of speculative decoding: init_cuda_graph_state;
+    per captured bs, out_graph(fb, in_capture=True) then the captured body (in_graph + forward
+    per layer) on static buffers filled with the fill value (a verify capture's spec_info
+    holds a placeholder mask, as the runner's does); per replay, refill the static buffers
+    (padded rows: req_pool_indices 0, seq_lens = fill value, out_cache_loc 0),
+    out_graph(SimpleNamespace view with the batch's own spec_info and unpadded
+    out_cache_loc), replay.
 
     On the GPU the body is a real torch.cuda.CUDAGraph. On the CPU "replay" runs the
     body again on the same buffers, which is what the graph would execute.
     """
 
-    def __init__(self, world, backend, bs):
-        self.world, self.backend, self.bs = world, backend, bs
+    def __init__(self, world, backend, bs, q_len=1):
+        self.world, self.backend, self.bs, self.q_len = world, backend, bs, q_len
+        self.mode = ForwardMode.DECODE if q_len == 1 else ForwardMode.TARGET_VERIFY
         dev, hq, hkv, d = world.device, world.hq, world.hkv, world.d
+        tokens = bs * q_len
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=tokens)
         self.fill = backend.get_cuda_graph_seq_len_fill_value()
         self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), self.fill, dtype=torch.int64, device=dev)
         self.seq_lens_cpu = torch.full((bs,), self.fill, dtype=torch.int64)
-        self.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=dev)
-        self.q = torch.zeros(bs, hq * d, dtype=world.dtype, device=dev)
-        self.k = torch.zeros(bs, hkv, d, dtype=world.dtype, device=dev)
-        self.v = torch.zeros(bs, hkv, d, dtype=world.dtype, device=dev)
-        self.fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
-                               input_ids=torch.zeros(bs, dtype=torch.int64, device=dev),
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.q = torch.zeros(tokens, hq * d, dtype=world.dtype, device=dev)
+        self.k = torch.zeros(tokens, hkv, d, dtype=world.dtype, device=dev)
+        self.v = torch.zeros(tokens, hkv, d, dtype=world.dtype, device=dev)
+        spec_info = None
+        if q_len > 1:
+            spec_info = NgramVerifyInput(custom_mask=torch.ones(tokens * (self.fill + q_len), dtype=torch.bool,
+                                                                device=dev), draft_token_num=q_len)
+        self.fb = ForwardBatch(forward_mode=self.mode, batch_size=bs,
+                               input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
                                req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
                                out_cache_loc=self.out_cache_loc, seq_lens_sum=bs * self.fill,
-                               seq_lens_cpu=self.seq_lens_cpu)
+                               seq_lens_cpu=self.seq_lens_cpu, spec_info=spec_info)
         self.outs = None
         self.graph = None
 
@@ -570,26 +723,29 @@ class DecodeGraphDriver:
         else:
             self.outs = self.body()
 
-    def replay(self, reqs, cached, *, with_cpu_lens=True, after_out_graph=None):
-        """Real requests reqs (cached[b] tokens each) padded to bs; returns (outs, q, real fb)."""
-        w, raw = self.world, len(reqs)
-        real = w.decode_batch(reqs, cached)
+    def replay(self, reqs, cached, *, masks=None, with_cpu_lens=True, after_out_graph=None):
+        """Real requests reqs (cached[b] tokens each, plus q_len new ones) padded to bs;
+        masks: the verify trees (None: chains). after_out_graph(real fb) runs between the
+        host step and the replay. Returns (outs, q, real fb)."""
+        w, raw, n = self.world, len(reqs), len(reqs) * self.q_len
+        real = (w.decode_batch(reqs, cached) if self.q_len == 1
+                else w.verify_batch(reqs, cached, self.q_len, masks))
         self.req_pool_indices.zero_()[:raw] = real.req_pool_indices
         self.seq_lens.fill_(self.fill)[:raw] = real.seq_lens
         self.seq_lens_cpu.fill_(self.fill)[:raw] = real.seq_lens_cpu
-        self.out_cache_loc.zero_()[:raw] = real.out_cache_loc
+        self.out_cache_loc.zero_()[:n] = real.out_cache_loc
         self.q.copy_(w.randn(*self.q.shape))
         self.k.copy_(w.randn(*self.k.shape))
         self.v.copy_(w.randn(*self.v.shape))
-        view = SimpleNamespace(batch_size=self.bs, forward_mode=ForwardMode.DECODE,
-                               actual_forward_mode=ForwardMode.DECODE, input_ids=self.fb.input_ids,
-                               positions=None, req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
+        view = SimpleNamespace(batch_size=self.bs, forward_mode=self.mode, actual_forward_mode=self.mode,
+                               input_ids=self.fb.input_ids, positions=None, req_pool_indices=self.req_pool_indices,
+                               seq_lens=self.seq_lens,
                                seq_lens_sum=real.seq_lens_sum + (self.bs - raw) * self.fill,
                                seq_lens_cpu=self.seq_lens_cpu if with_cpu_lens else None, num_padding=self.bs - raw,
-                               encoder_lens=None, out_cache_loc=real.out_cache_loc, spec_info=None)
+                               encoder_lens=None, out_cache_loc=real.out_cache_loc, spec_info=real.spec_info)
         self.backend.init_forward_metadata_out_graph(view)
         if after_out_graph is not None:
-            after_out_graph()
+            after_out_graph(real)
         if self.graph is not None:
             self.graph.replay()
             outs = self.outs
@@ -598,27 +754,35 @@ class DecodeGraphDriver:
         return [o.clone() for o in outs], self.q.clone(), real
 
 
+def overwrite_shared_state(world):
+    """What SGLang's scheduler may write for its next batch while a graph replays (the WAR
+    hazard): req_to_token, the hybrid pool's mapping and the draft trees' masks. A backend
+    must have snapshotted what it needs in out_graph."""
+
+    def overwrite(real):
+        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)
+        if world.swa_layers:
+            world.kv_pool.full_to_swa_index_mapping[:-1].fill_(1)
+        if real.spec_info is not None:
+            real.spec_info.custom_mask.fill_(True)
+
+    return overwrite
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_graph_sequence_with_padded_rows(lane, page_size):
     world = World(page_size, *lane, max_reqs=8)
     backend = world.backend()
-    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    driver = DecodeGraphDriver(world, backend, bs=4)
+    driver = GraphDriver(world, backend, bs=4)
     driver.capture()
     caps = [48, 20, 70, 9, 33]
     reqs = [world.add_request(c) for c in caps]
-
-    def scheduler_overwrites_req_to_token():
-        # The next batch's writes may land while the graph replays (WAR hazard): the
-        # backend must have snapshotted the page table already.
-        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)
-
     saved_rows = world.req_pool.req_to_token.clone()
     for batch, cached, cpu_lens in [(reqs[:2], [40, 3], True), (reqs[2:5], [69, 0, 32], True),
                                     (reqs[1:2], [19], False)]:
         world.req_pool.req_to_token.copy_(saved_rows)
         outs, q, real = driver.replay(batch, cached, with_cpu_lens=cpu_lens,
-                                      after_out_graph=scheduler_overwrites_req_to_token)
+                                      after_out_graph=overwrite_shared_state(world))
         raw = len(batch)
         for layer, out in zip(world.layers, outs):
             assert torch.count_nonzero(out[raw:]) == 0, "padded rows must come back as zeros"
@@ -627,8 +791,330 @@ def test_cuda_graph_sequence_with_padded_rows(lane, page_size):
 
 def test_init_cuda_graph_state_refuses_multi_token_decode(lane):
     backend = World(1, *lane).backend()
-    with pytest.raises(NotImplementedError, match="more than one query token"):
+    with pytest.raises(NotImplementedError, match="8 tokens for 4 requests"):
         backend.init_cuda_graph_state(max_bs=4, max_num_tokens=8)
+
+
+# -- SGLang's hybrid SWA pool -----------------------------------------------------------------
+
+WINDOW_AND_FULL = [dict(sliding_window_size=15), {}]  # layer 0: a 16-token window (SWA pool); layer 1: full
+
+
+def hybrid_world(page_size, lane, **kw):
+    """Layer 0 windowed, in the hybrid pool's sliding-window pool; layer 1 full-attention."""
+    return World(page_size, *lane, layer_kw=WINDOW_AND_FULL, swa_layers=[0], **kw)
+
+
+def test_hybrid_pool_is_accepted_with_a_kind_per_pool(lane):
+    world = hybrid_world(1, lane)
+    assert plugin.unsupported_reasons(world.runner) == []
+    backend = world.backend()
+    assert set(backend.attentions) == {LayerKind(window=16, swa_pool=True), LayerKind()}
+
+
+def test_hybrid_pool_refusals(lane):
+    """A hybrid pool without its full->SWA mapping (SGLang's unified pools keep none) is
+    refused by name."""
+    world = hybrid_world(1, lane)
+    world.kv_pool.full_to_swa_index_mapping = None
+    with pytest.raises(NotImplementedError, match="no full->SWA index mapping"):
+        world.backend()
+
+
+def test_hybrid_pool_bad_slot_is_flagged(lane):
+    """A req_to_token slot past the full pool reads the mapping's trailing -1 for the window
+    layer: a page id the audit flags, never an out-of-bounds gather."""
+    errors.check_errors(lane[0])
+    world = hybrid_world(1, lane)
+    backend = world.backend()
+    r = world.add_request(8)
+    world.req_pool.req_to_token[r, 6] = world.kv_pool.size + 10**6
+    fb = world.decode_batch([r], [6])
+    backend.init_forward_metadata(fb)
+    out = backend.forward(world.randn(1, world.hq * world.d), world.randn(1, world.hkv, world.d),
+                          world.randn(1, world.hkv, world.d), world.layers[0], fb)
+    assert torch.isfinite(out).all()
+    with pytest.raises(errors.EvenKVError, match="page id outside the KV cache"):
+        errors.check_errors(lane[0])  # raises and clears
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hybrid_pool_extend_then_decode(lane, page_size):
+    """Chunked prefill and decode on SGLang's SWAKVPool: the window layer reads and writes the
+    sliding-window pool through the full->SWA mapping, the full layer the full pool; tokens
+    that have left the window are freed (mapping -> the dummy slot) and poisoned with NaN,
+    and no result or page audit touches them (the decode reads only the window's pages: a
+    NaN dummy page stays out of its results)."""
+    errors.check_errors(lane[0])  # start clean
+    world = hybrid_world(page_size, lane, ctx=128)
+    backend = world.backend()
+    prefix, new = [0, 40, 33], [21, 9, 30]
+    reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
+    # SGLang frees what no query of this step can see: whole pages before every window. The
+    # extend kernel loads the tile across a window's left edge and masks the keys before it,
+    # which may be the (finite) dummy page.
+    for r, p in zip(reqs, prefix):
+        world.evict_window(r, (p - 16) // page_size * page_size, dummy=1e3)
+    fb = world.extend_batch(reqs, prefix, new)
+    backend.init_forward_metadata(fb)
+    t = sum(new)
+    for layer in world.layers:
+        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
+                                                                                                        world.d)
+        out = backend.forward(q, k, v, layer, fb)
+        k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
+        written = torch.cat([torch.tensor(world.layer_slots(r, layer.layer_id, range(p, p + n)))
+                             for r, p, n in zip(reqs, prefix, new)])
+        assert torch.equal(k_cache[written.to(k.device)], k), "new tokens go to the layer's own pool"
+        check_against_slots(world, out, q, visible_slots(world, layer, reqs, prefix, new), layer)
+    cached = [p + n for p, n in zip(prefix, new)]
+    for r, c in zip(reqs, cached):
+        world.evict_window(r, (c - 15) // page_size * page_size)
+    fb = world.decode_batch(reqs, cached)
+    backend.init_forward_metadata(fb)
+    for layer in world.layers:
+        q, k, v = (world.randn(3, world.hq * world.d), world.randn(3, world.hkv, world.d),
+                   world.randn(3, world.hkv, world.d))
+        out = backend.forward(q, k, v, layer, fb)
+        check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [1] * 3), layer)
+    assert errors.peek(lane[0]) == [], "the freed entries before the window read as valid (never audited as bad)"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hybrid_pool_cuda_graph_sequence(lane, page_size):
+    """Decode graphs on the hybrid pool: the translated page table and the window layer's
+    write slots are snapshotted before replay; req_to_token and the mapping overwritten
+    between out_graph and replay change nothing."""
+    world = hybrid_world(page_size, lane, max_reqs=8, ctx=128)
+    backend = world.backend()
+    driver = GraphDriver(world, backend, bs=4)
+    driver.capture()
+    caps = [60, 20, 90]
+    reqs = [world.add_request(c) for c in caps]
+    saved_rows = world.req_pool.req_to_token.clone()
+    for batch, cached in [(reqs[:2], [50, 3]), (reqs, [59, 19, 80])]:
+        world.req_pool.req_to_token.copy_(saved_rows)
+        for r, c in zip(batch, cached):
+            world.evict_window(r, (c - 15) // page_size * page_size)
+        saved_mapping = world.kv_pool.full_to_swa_index_mapping.clone()
+        outs, q, _ = driver.replay(batch, cached, after_out_graph=overwrite_shared_state(world))
+        world.kv_pool.full_to_swa_index_mapping.copy_(saved_mapping)
+        raw = len(batch)
+        for layer, out in zip(world.layers, outs):
+            assert torch.count_nonzero(out[raw:]) == 0, "padded rows must come back as zeros"
+            check_against_slots(world, out[:raw], q[:raw], visible_slots(world, layer, batch, cached, [1] * raw),
+                                layer)
+        k_swa = world.kv_pool.get_key_buffer(0)
+        new_slots = torch.tensor([world.layer_slots(r, 0, [c])[0] for r, c in zip(batch, cached)])
+        assert torch.equal(k_swa[new_slots.to(k_swa.device)], driver.k[:raw]), "the window layer's writes"
+
+
+# -- speculative decoding: target verify ---------------------------------------------------------
+
+
+def speculative_world(page_size, lane, algorithm, q_len, topk=1, **kw):
+    """A world whose server runs ``algorithm`` speculation with q_len verify tokens per request."""
+    world = World(page_size, *lane, **kw)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm=algorithm,
+                                          speculative_num_draft_tokens=q_len, speculative_eagle_topk=topk)
+    return world
+
+
+def test_speculative_verify_config():
+    base = SimpleNamespace(speculative_algorithm=None)
+    assert plugin.speculative_verify(base) == (0, False)
+    eagle = SimpleNamespace(speculative_algorithm="EAGLE", speculative_num_draft_tokens=4, speculative_eagle_topk=1)
+    assert plugin.speculative_verify(eagle) == (4, False)
+    tree = SimpleNamespace(speculative_algorithm="EAGLE", speculative_num_draft_tokens=8, speculative_eagle_topk=4)
+    assert plugin.speculative_verify(tree) == (8, True)
+    ngram = SimpleNamespace(speculative_algorithm="NGRAM", speculative_num_draft_tokens=12, speculative_eagle_topk=1)
+    assert plugin.speculative_verify(ngram) == (12, True)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=4), "speculative decoding with DFLASH"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=17), "speculative_num_draft_tokens=17"),
+])
+def test_refuses_unsupported_speculation(lane, overrides, fragment):
+    world = World(1, *lane)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_eagle_topk=1, **overrides)
+    with pytest.raises(NotImplementedError, match=fragment):
+        world.backend()
+
+
+def test_refuses_trees_with_pages_or_windows(lane):
+    world = speculative_world(16, lane, "NGRAM", 4)
+    with pytest.raises(NotImplementedError, match="page size 16"):
+        world.backend()
+    world = speculative_world(1, lane, "EAGLE", 4, topk=2, layer_kw=WINDOW_AND_FULL)
+    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+        world.backend()
+
+
+@pytest.mark.parametrize("algorithm,topk,page_size,layer_kw,sinks", [
+    ("EAGLE", 1, 1, None, False),  # a chain: causal rows
+    ("EAGLE", 1, 16, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),  # chain, window, soft-cap, sinks
+    ("NGRAM", 1, 1, None, False),  # NGRAM trees
+    ("EAGLE", 4, 1, [dict(logit_cap=5.0)] * 2, True),  # EAGLE trees, soft-cap and sinks
+], ids=["eagle-chain", "eagle-chain-p16-window-cap-sinks", "ngram-tree", "eagle-tree-cap-sinks"])
+def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer_kw, sinks):
+    """TARGET_VERIFY through forward_extend, as SGLang sends it: each request's draft tokens
+    are written to their slots, then attend to the cache as decode rows (chain: causal;
+    trees: SGLang's FULL_MASK custom mask)."""
+    q_len = 4
+    world = speculative_world(page_size, lane, algorithm, q_len, topk, layer_kw=layer_kw)
+    backend = world.backend()
+    cached = [0, 37, 5, 20]  # a request with no cache yet, one past a page boundary
+    reqs = [world.add_request(c + q_len) for c in cached]
+    tree = backend.tree_verify
+    masks = [random_tree_mask(q_len, world.gen) for _ in reqs] if tree else None
+    fb = world.verify_batch(reqs, cached, q_len, masks)
+    backend.init_forward_metadata(fb)
+    t = len(reqs) * q_len
+    for layer in world.layers:
+        sink = torch.randn(world.hq, device=world.device) if sinks else None
+        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
+                                                                                                        world.d)
+        out = backend.forward(q, k, v, layer, fb, sinks=sink)
+        k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
+        assert torch.equal(k_cache[fb.out_cache_loc], k)
+        check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [q_len] * len(reqs), masks),
+                            layer, sink)
+
+
+def test_target_verify_on_the_hybrid_pool(lane):
+    """EAGLE chain verify with a window layer in the sliding-window pool (gpt-oss-like)."""
+    q_len = 3
+    world = hybrid_world(1, lane, ctx=128)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm="EAGLE",
+                                          speculative_num_draft_tokens=q_len, speculative_eagle_topk=1)
+    backend = world.backend()
+    cached = [30, 2, 60]
+    reqs = [world.add_request(c + q_len) for c in cached]
+    for r, c in zip(reqs, cached):
+        world.evict_window(r, c - 15)
+    fb = world.verify_batch(reqs, cached, q_len)
+    backend.init_forward_metadata(fb)
+    t = len(reqs) * q_len
+    for layer in world.layers:
+        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
+                                                                                                        world.d)
+        out = backend.forward(q, k, v, layer, fb)
+        check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [q_len] * 3), layer)
+
+
+def test_refuses_a_mask_in_another_layout(lane):
+    """A QLEN_ONLY-sized custom_mask (q_len x q_len per request) is not read as FULL_MASK."""
+    world = speculative_world(1, lane, "NGRAM", 3)
+    backend = world.backend()
+    r = world.add_request(20)
+    fb = world.verify_batch([r], [10], 3)
+    fb.spec_info.custom_mask = chain_mask(3).flatten().to(world.device)
+    with pytest.raises(ValueError, match="FULL_MASK"):
+        backend.init_forward_metadata(fb)
+
+
+@pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("NGRAM", 1)], ids=["chain", "tree"])
+def test_target_verify_cuda_graph_sequence(lane, algorithm, topk):
+    """TARGET_VERIFY graphs (max_num_tokens = max_bs x draft tokens): page table and tree
+    masks snapshotted before replay (req_to_token and the custom mask overwritten between
+    out_graph and replay change nothing), padded rows give zeros; and a step planned before
+    its draft finished (SGLang's overlap plan stream) is corrected by
+    update_verify_buffers_to_fill_after_draft."""
+    q_len = 3
+    world = speculative_world(1, lane, algorithm, q_len, topk, max_reqs=8)
+    backend = world.backend()
+    driver = GraphDriver(world, backend, bs=4, q_len=q_len)
+    driver.capture()
+    cached = [30, 0, 12]
+    reqs = [world.add_request(c + q_len) for c in cached]
+    saved_rows = world.req_pool.req_to_token.clone()
+    tree = backend.tree_verify
+    for batch, lens in [(reqs[:2], cached[:2]), (reqs, cached)]:
+        world.req_pool.req_to_token.copy_(saved_rows)
+        masks = [random_tree_mask(q_len, world.gen) for _ in batch] if tree else None
+        outs, q, real = driver.replay(batch, lens, masks=masks, after_out_graph=overwrite_shared_state(world))
+        n = len(batch) * q_len
+        for layer, out in zip(world.layers, outs):
+            assert torch.count_nonzero(out[n:]) == 0, "padded rows must come back as zeros"
+            check_against_slots(world, out[:n], q[:n], visible_slots(world, layer, batch, lens, [q_len] * len(batch),
+                                                                     masks), layer)
+    if not tree:
+        return
+    world.req_pool.req_to_token.copy_(saved_rows)
+    masks = [random_tree_mask(q_len, world.gen) for _ in reqs]
+
+    def draft_finishes_late(real):
+        # out_graph read a mask the draft had not written yet; SGLang then calls the hook.
+        real.spec_info.custom_mask.copy_(full_mask(cached, masks).to(world.device))
+        backend.update_verify_buffers_to_fill_after_draft(real.spec_info, driver.bs)
+
+    real_mask = full_mask(cached, masks).to(world.device)
+    stale = [torch.ones(q_len, q_len, dtype=torch.bool)] * len(reqs)
+    outs, q, real = driver.replay(reqs, cached, masks=stale, after_out_graph=draft_finishes_late)
+    assert torch.equal(real.spec_info.custom_mask, real_mask)
+    n = len(reqs) * q_len
+    for layer, out in zip(world.layers, outs):
+        check_against_slots(world, out[:n], q[:n], visible_slots(world, layer, reqs, cached, [q_len] * 3, masks),
+                            layer)
+
+
+def test_verify_backend_beside_torch_native_prefill(lane):
+    """--decode-attention-backend evenkv with --speculative-attention-mode decode: SGLang's
+    HybridAttnBackend sends TARGET_VERIFY to evenkv."""
+    with get_context().override_server_args(prefill_attention_backend="torch_native",
+                                            decode_attention_backend=plugin.NAME, speculative_attention_mode="decode"):
+        world = speculative_world(1, lane, "EAGLE", 2)
+        decode = world.backend()
+        hybrid = HybridAttnBackend(world.runner, prefill_backend=TorchNativeAttnBackend(world.runner),
+                                   decode_backend=decode)
+    r = world.add_request(12)
+    fb = world.verify_batch([r], [9], 2)
+    hybrid.init_forward_metadata(fb)
+    assert decode.forward_metadata is not None and decode.forward_metadata.num_tokens == 2
+
+
+# -- tensor parallelism: per-rank head shapes ---------------------------------------------------
+
+
+def attention_tp_rank(tp: int, rank: int):
+    """What a scheduler process of rank ``rank`` in a TP ``tp`` server has published (no
+    distributed group is started: SGLang's own override, topology kept consistent)."""
+    return get_parallel().override(tp_size=tp, tp_rank=rank, attn_tp_size=tp, attn_tp_rank=rank, moe_tp_size=tp,
+                                   moe_tp_rank=rank)
+
+
+@pytest.mark.parametrize("total_q,total_kv,tp", [(32, 8, 2), (32, 8, 4), (32, 8, 8), (64, 8, 8)],
+                         ids=["qwen3-8b-tp2", "qwen3-8b-tp4", "qwen3-8b-tp8", "llama-70b-tp8"])
+def test_tensor_parallel_rank_shapes(lane, total_q, total_kv, tp):
+    """The adapter on one attention-TP rank: Hq / TP query heads from the model's total and
+    SGLang's attn_tp_size, Hkv / TP KV heads from the pool SGLang sized for the rank; one
+    decode batch planned and run on them against the reference."""
+    hq, hkv = total_q // tp, max(1, total_kv // tp)
+    with attention_tp_rank(tp, tp - 1):
+        world = World(1, *lane, hq=hq, hkv=hkv, d=128, layers=1, total_q_heads=total_q, ctx=48)
+        backend = world.backend()
+    assert (backend.num_q_heads, backend.num_kv_heads, backend.head_dim) == (hq, hkv, 128)
+    attention = attention_of(backend)
+    assert (attention.num_q_heads, attention.num_kv_heads, attention.group_size) == (hq, hkv, hq // hkv)
+    cached = [30, 4]
+    reqs = [world.add_request(c + 1) for c in cached]
+    fb = world.decode_batch(reqs, cached)
+    backend.init_forward_metadata(fb)
+    plan = backend.forward_metadata.plans[LayerKind()]
+    assert plan.page_table.shape == (2, 31) and plan.num_decodes == 2
+    q = world.randn(2, hq * 128)
+    # k = v = None: the pool already holds the new token (on the GPU, SGLang's KV-write kernel is
+    # pre-built for one row width only).
+    out = backend.forward(q, None, None, world.layers[0], fb)
+    check_decode(world, out, q, fb)
+
+
+def test_tensor_parallel_refuses_heads_that_do_not_split(lane):
+    with attention_tp_rank(3, 0):
+        world = World(1, *lane, total_q_heads=32)
+        with pytest.raises(ValueError, match="do not split over attn_tp_size=3"):
+            world.backend()
 
 
 # -- evenkv for decode beside another prefill backend ----------------------------------------
@@ -661,7 +1147,7 @@ def test_decode_backend_beside_torch_native_prefill(lane):
     hybrid.init_forward_metadata(fb)
     meta = decode.forward_metadata
     plan = meta.plans[LayerKind()]
-    assert meta is not None and meta.decode and plan.batch_size == plan.num_decodes == 2
+    assert meta is not None and meta.decode_rows and plan.batch_size == plan.num_decodes == 2
     q = world.randn(2, world.hq * world.d)
     out = hybrid.forward(q, world.randn(2, world.hkv, world.d), world.randn(2, world.hkv, world.d), layer, fb)
     check_decode(world, out, q, fb)
@@ -726,19 +1212,14 @@ def test_gpu_cuda_graph_replay_realistic(page_size):
     world = World(page_size, torch.device("cuda"), torch.bfloat16, layers=2, max_reqs=len(lens), ctx=max(lens) + 64,
                   num_pages=sum(math.ceil((n + 1) / page_size) for n in lens) + 16, **QWEN3_30B)
     backend = world.backend()
-    backend.init_cuda_graph_state(max_bs=64, max_num_tokens=64)
-    driver = DecodeGraphDriver(world, backend, bs=64)
+    driver = GraphDriver(world, backend, bs=64)
     driver.capture()
     reqs = [world.add_request(n + 1) for n in lens]
     saved = world.req_pool.req_to_token.clone()
-
-    def overwrite():
-        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)
-
     for pick in [list(range(64)), list(range(64, 72)) + list(range(0, 58, 2)), [0, 70, 3, 71, 5]]:
         world.req_pool.req_to_token.copy_(saved)
         batch = [reqs[i] for i in pick]
-        outs, q, real = driver.replay(batch, [lens[i] for i in pick], after_out_graph=overwrite)
+        outs, q, real = driver.replay(batch, [lens[i] for i in pick], after_out_graph=overwrite_shared_state(world))
         torch.cuda.synchronize()
         raw = len(batch)
         for layer, out in zip(world.layers, outs):
@@ -816,7 +1297,7 @@ def test_prefill_backend_beside_torch_native_decode(lane):
     fb = world.extend_batch(reqs, prefix, new)
     hybrid.init_forward_metadata(fb)
     meta = prefill.forward_metadata
-    assert meta is not None and not meta.decode and meta.num_tokens == sum(new)
+    assert meta is not None and not meta.decode_rows and meta.num_tokens == sum(new)
     layer = world.layers[0]
     t = sum(new)
     out = hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
