@@ -163,7 +163,7 @@ class DecodeAttention:
             config = self._bucket_config(bucket)
             grid = num_ctas if num_ctas is not None else self._default_grid(config, self._query(bucket))
             many = None
-            if bucket == 1 and self._kind == "stream" and not deterministic and config is self.config and \
+            if bucket == 1 and self._kind == "stream" and not deterministic and self._forced_config is None and \
                     num_ctas is None:
                 many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
                 if many_config is not None:

@@ -2,7 +2,7 @@
 
 The kernels never read or write outside the caches and tensors they are given, whatever the
 page table, slots and lengths say: a page id outside the KV cache is never dereferenced
-(its tokens are left out of their request's attention), a slot outside the cache is not
+(its tokens' K and V read as zeros), a slot outside the cache is not
 written, lengths are clamped to the page table (negatives count as 0; an extend row's
 seq_len is raised to its q_len), and query rows are clamped to ``q``. Each of these sets a
 bit of one int32 flag per device, which a host can read when it chooses:
@@ -31,8 +31,8 @@ INVARIANCE_LOST = error_bits.INVARIANCE_LOST.value
 SEQ_LEN_BELOW_Q_LEN = error_bits.SEQ_LEN_BELOW_Q_LEN.value
 
 REASONS = {
-    PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (never read: those tokens were "
-                       "left out of their request's attention)",
+    PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (never read: those tokens' K "
+                       "and V were taken as zeros, so that request's result is wrong)",
     SLOT_OUT_OF_RANGE: "slot_mapping: a slot >= the KV cache's slots (that token was not written)",
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
     QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or (decode rows) "

@@ -100,9 +100,9 @@ def test_extend_hostile_metadata(device, new_layout):
     torch.testing.assert_close(out[5:14].float(), want[5:14], atol=2e-2, rtol=0)
     # The oracle leaves tokens on pages outside the cache out, as the kernels do.
     raised = torch.maximum(seq, cu[1:] - cu[:-1])
-    left_out = extend_reference(b["q"], b["k"], b["v"], cu, raised, pt, PAGE, k_new=b["kn"], v_new=b["vn"])
-    torch.testing.assert_close(out[:5].float(), left_out[:5], atol=2e-2, rtol=0)
-    torch.testing.assert_close(out[14:].float(), left_out[14:], atol=2e-2, rtol=0)
+    zeroed = extend_reference(b["q"], b["k"], b["v"], cu, raised, pt, PAGE, k_new=b["kn"], v_new=b["vn"])
+    torch.testing.assert_close(out[:5].float(), zeroed[:5], atol=2e-2, rtol=0)
+    torch.testing.assert_close(out[14:].float(), zeroed[14:], atol=2e-2, rtol=0)
     assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE],
                                 errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN]}
     errors.error_flag(device).zero_()
@@ -118,7 +118,7 @@ def test_extend_hostile_metadata(device, new_layout):
 @pytest.mark.parametrize("new_layout", [False, True])
 def test_extend_bad_page_in_a_tile_seen_in_full(device, new_layout):
     """16 x 16 tiles put the bad page (request 0's tokens 16..31) in a tile all its queries see
-    in full, the kernel's unmasked loop: its tokens are left out there too."""
+    in full, the kernel's unmasked loop: its tokens' K and V are zeros there too."""
     b = _extend_batch(device, new_layout)
     pt = b["pt"].clone()
     pt[0, 1] = 10**7
@@ -145,14 +145,15 @@ def test_extend_length_reasons_say_what_happened(device):
     assert errors.REASONS[errors.SEQ_LEN_BELOW_Q_LEN] not in flagged
 
 
-def test_reference_leaves_out_tokens_on_bad_pages(device):
-    """The oracle's rule for a page id outside the cache, against attention over the kept keys."""
+def test_reference_zeros_tokens_on_bad_pages(device):
+    """The oracle's rule for a page id outside the cache: those tokens' K and V are zeros."""
     from evenkv.kernels.reference import attention_reference, gather_request_kv
     q, k, v, lens, pt = make_paged_batch([40], HQ, HKV, D, PAGE, torch.float32, device, garbage_tail=False)
     bad = pt.clone()
     bad[0, 1] = k.shape[0] // PAGE  # one past the last page: tokens 16..31
-    keep = torch.cat([torch.arange(16), torch.arange(32, 40)]).to(device)
-    kk, vv = (gather_request_kv(c, pt[0], 40, PAGE)[keep] for c in (k, v))
+    kk, vv = (gather_request_kv(c, pt[0], 40, PAGE).clone() for c in (k, v))
+    kk[16:32] = 0
+    vv[16:32] = 0
     want, _ = attention_reference(q[0], kk, vv, D ** -0.5)
     torch.testing.assert_close(decode_reference(q, k, v, lens, bad, PAGE)[0], want)
 

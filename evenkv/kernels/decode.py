@@ -52,7 +52,7 @@ Token and slot offsets are int64 because ``slot * stride`` passes 2**31 for cach
 exact softmax attention; a row that sees no key (and no sink) is zeros.
 
 Memory safety does not depend on the batch data: a page id outside ``[0, num_pages)`` is
-never dereferenced (its tokens are left out of their request's attention, and flagged);
+never dereferenced (its tokens' K and V load as zeros: that request's result is wrong, and flagged);
 ``evenkv.kernels.plan.audit_pages_kernel``, once per plan, sets PAGE_OUT_OF_RANGE in the
 error flag for such ids, so the tile loops carry nothing for it. Lengths and query ranges
 were clamped by the planner; query rows at or past ``total_q`` (q's rows) are neither read
@@ -174,8 +174,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     cache is widened to q's dtype (fp16, see ``_load_q``) in registers, its scales folded
     into qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
     ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id lies outside [0,
-    num_pages) is neither read nor seen: it is left out of the row's attention
-    (``evenkv.kernels.plan.audit_pages_kernel`` flags it).
+    num_pages) is not read: its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel``
+    flags it).
 
     Returns the new (m [ROWS] running base-2 max, l [ROWS] running sum, acc [ROWS,
     BLOCK_D] fp32 unnormalised)."""
@@ -196,14 +196,17 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     else:
         s = s * qk_scale
     if MULTI_Q:
-        seen = key_ok[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE)
+        s = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
+                     float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later
+        # tokens) keeps acc = l = 0 instead of computing -inf - -inf.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        seen = key_ok[None, :]
-    s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later tokens,
-    # a tile of bad pages) keeps acc = l = 0 instead of computing -inf - -inf.
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Every row sees every key of the tile, one at least.
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = m_new
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)

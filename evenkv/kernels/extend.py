@@ -46,11 +46,11 @@ a batch of queries can pass 2**31 elements.
 
 Memory safety does not depend on the batch data: query rows are clamped to ``q`` (rows
 ``[0, total_q)``) and lengths to the page table (each sets its bit in the error flag), and
-a token whose page id lies outside ``[0, num_pages)`` is never read: it is left out of its
-request's attention, as in the decode kernels (``plan.audit_pages_kernel`` reports it). The
-tile loops read such a token at page 0 and note it; a program that noted one attends to the
-cache again with every tile masked, leaving those tokens out, so the common path carries no
-per-key page test. Per-batch integers are ``do_not_specialize``, so a server compiles each
+a token whose page id lies outside ``[0, num_pages)`` is never read: its K and V are taken
+as zeros, as in the decode kernels (``plan.audit_pages_kernel`` reports it). The tile loops
+read such a token at page 0 and note it; a program that noted one attends to the cache
+again with every tile masked, its loads masked by the page test, so the common path
+carries no per-key page test. Per-batch integers are ``do_not_specialize``, so a server compiles each
 config once, at start-up.
 
 Odd values: a query whose scores hold a NaN (a NaN in q or in a key it sees) gives NaN, as
@@ -168,7 +168,7 @@ def _online_softmax(s, m, l, tok, keys, row_pos, window, qk_scale, cap_scale, p_
 def _attend_tiles(
     acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
     page_row_ptr, num_pages, row_pos, tok_base, tile_begin, tile_end, kv_end, window, qk_scale, cap_scale, p_div,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, SKIP_BAD_PAGES: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ZERO_BAD_PAGES: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -177,7 +177,7 @@ def _attend_tiles(
     Tile t holds KV positions tok_base + t*BLOCK_N + [0, BLOCK_N), addressed as in
     ``_tile_rows``; MASKED tiles are masked as in ``_online_softmax``, the others are
     seen in full by every row (the bulk of a long prefill, run without mask arithmetic).
-    A position on a page outside the cache (PAGED) is left out with SKIP_BAD_PAGES (MASKED
+    A position on a page outside the cache (PAGED) loads K = V = 0 with ZERO_BAD_PAGES (MASKED
     tiles only); otherwise it is read at page 0 and recorded in bad ([BLOCK_N] bool, ORed
     over the tiles). K/V tiles of another dtype (FP8) are widened to q's dtype. Scores,
     p_div and P_DIV as in ``_online_softmax``.
@@ -192,15 +192,16 @@ def _attend_tiles(
             keys = None
         k_off, v_off, page_ok = _tile_rows(page_row_ptr, tile, keys, stride_k_page, stride_k_off, stride_v_page,
                                            stride_v_off, num_pages, PAGED, PAGE_SIZE, MASKED, BLOCK_N)
-        if SKIP_BAD_PAGES:
-            keys = keys & page_ok
+        loaded = keys
+        if ZERO_BAD_PAGES:
+            loaded = keys & page_ok
         elif PAGED:
             bad = bad | ~page_ok
-        k = _load_rows(k_base, k_off, keys, MASKED, HEAD_DIM, BLOCK_D)
+        k = _load_rows(k_base, k_off, loaded, MASKED, HEAD_DIM, BLOCK_D)
         s = dot(q, tl.trans(k.to(q.dtype)))
         p, alpha, m, l = _online_softmax(s, m, l, tok, keys, row_pos, window, qk_scale, cap_scale, p_div,
                                          MASKED, WINDOW, SOFTCAP, P_DIV)
-        v = _load_rows(v_base, v_off, keys, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base, v_off, loaded, MASKED, HEAD_DIM, BLOCK_D)
         acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, m, l, bad
 
@@ -221,18 +222,18 @@ def _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N: tl.constexpr):
 def _attend_source(
     acc, m, l, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page, stride_v_off,
     page_row_ptr, num_pages, row_pos, tok_base, lo, hi, full_lo, full_hi, kv_end, window, qk_scale, cap_scale, p_div,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SKIP_BAD_PAGES: tl.constexpr, WINDOW: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, ZERO_BAD_PAGES: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, P_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """Attend to positions [lo, hi) of one source (relative to its first position
     tok_base): masked tiles, then the tiles inside [full_lo, full_hi) without masks, then
-    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``); with SKIP_BAD_PAGES
-    every tile masked, leaving out the positions on pages outside the cache.
+    masked tiles again (see ``_tile_ranges`` and ``_attend_tiles``); with ZERO_BAD_PAGES
+    every tile masked, the positions on pages outside the cache loading zeros.
     Returns (acc, m, l, whether a position on a page outside the cache was read as page 0)."""
     t0, t1, t2, t3 = _tile_ranges(lo, hi, full_lo, full_hi, BLOCK_N)
     bad = tl.zeros([BLOCK_N], tl.int1)
-    if SKIP_BAD_PAGES:
+    if ZERO_BAD_PAGES:
         # Bad batch data only: one stage, so this loop's registers do not crowd the common path's.
         acc, m, l, bad = _attend_tiles(acc, m, l, bad, q, k_base, v_base, stride_k_page, stride_k_off, stride_v_page,
                                        stride_v_off, page_row_ptr, num_pages, row_pos, tok_base, t0, t3, kv_end,

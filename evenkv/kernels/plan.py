@@ -292,7 +292,7 @@ def audit_pages_kernel(
 
     ``cu_seqlens [B + 1]``: the batch's query rows (a request of q_len tokens reads
     ``row_window`` keys under a window). The attention kernels never dereference such an id
-    (its tokens are left out of their request's attention); this kernel, run once per plan, is what reports it, so their tile
+    (its tokens' K and V read as zeros); this kernel, run once per plan, is what reports it, so their tile
     loops carry nothing for the check. A request uses the entries of its visible tokens
     (``_used_entries``: with a sliding window, engines may free or reuse the pages before
     it). The used entries of all requests lie end to end; program p of P checks

@@ -7,7 +7,7 @@ logit per query head (natural log, neither scaled nor capped) that joins the sof
 denominator: out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) (gpt-oss).
 
 The kernels' rules for odd data hold here too: a token whose page id lies outside the cache
-is left out of its request's attention; a query that sees no key (and has no sink) gives
+is not read, its K and V taken as zeros; a query that sees no key (and has no sink) gives
 zeros; a NaN in q or in a key a query sees makes that query's output NaN, as torch's softmax
 does.
 """
@@ -135,15 +135,13 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         cached = seq_len if k_new is None else prefix
         tok = torch.arange(cached, device=q.device)
         pages = page_table[b, tok // page_size].long()
-        on_cache = (pages >= 0) & (pages < num_pages)  # the other tokens are left out
+        on_cache = (pages >= 0) & (pages < num_pages)  # the other tokens' K and V are zeros
         slots = torch.where(on_cache, pages, 0) * page_size + tok % page_size
         k = k_cache[slots].float().masked_fill(~on_cache[:, None, None], 0.0) * k_scale
         v = v_cache[slots].float().masked_fill(~on_cache[:, None, None], 0.0) * v_scale
-        key_kept = on_cache
         if k_new is not None:
             k = torch.cat([k, k_new[q_begin:q_begin + q_len].float()])
             v = torch.cat([v, v_new[q_begin:q_begin + q_len].float()])
-            key_kept = torch.cat([key_kept, torch.ones(q_len, dtype=torch.bool, device=q.device)])
         k = k.to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.to(compute_dtype).repeat_interleave(group, dim=1)
         key_pos = torch.arange(seq_len, device=q.device)
@@ -155,7 +153,7 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             if logit_cap:
                 scores = logit_cap * torch.tanh(scores / logit_cap)
             q_pos = prefix + torch.arange(i0, i1, device=q.device)
-            seen = key_kept.repeat(i1 - i0, 1)
+            seen = torch.ones(i1 - i0, seq_len, dtype=torch.bool, device=q.device)
             if causal and tree_mask is not None:
                 bits = tree_mask[q_begin + i0:q_begin + i1].long()
                 rel = (key_pos - prefix).clamp(min=0)
