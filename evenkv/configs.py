@@ -177,17 +177,19 @@ _DECODE_FP8 = {
 # Speculative-verify rows: G x q_len query rows per tile (decode_launch.tile_rows), with a
 # causal mask per row, take more registers than a decode row, so they run rows of their own,
 # keyed by tile rows; each class lists up to the largest tile rows it serves
-# (``max_tile_rows``; docs/tuning.md "Decode, verify rows").
+# (``max_tile_rows``). sm90 d128 rows 16-64 timed on the H200 (docs/tuning.md "Decode, verify
+# rows"); the others compiled without local memory in the tile loop (tests/test_decode.py),
+# not timed.
 _DECODE_VERIFY = {
     "sm90": {
         "d64": {16: DecodeConfig("sm90-d64-r16", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                  max_registers=168, programmatic_launch=True),
                 32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
                                  max_registers=128, programmatic_launch=True),
-                64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=8, num_stages=3, max_ctas_per_sm=2,
-                                 max_registers=128, programmatic_launch=True),
-                128: DecodeConfig("sm90-d64-r128", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=2,
-                                  max_registers=128, programmatic_launch=True)},
+                64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
+                                 max_registers=224, programmatic_launch=True),
+                128: DecodeConfig("sm90-d64-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                  max_registers=224, programmatic_launch=True)},
         "d128": {16: DecodeConfig("sm90-d<=128-r16", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                   max_registers=168, programmatic_launch=True),
                  32: DecodeConfig("sm90-d<=128-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
@@ -198,8 +200,8 @@ _DECODE_VERIFY = {
                                    max_registers=224, programmatic_launch=True)},
         "d256": {16: DecodeConfig("sm90-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2,
                                   max_registers=224, programmatic_launch=True),
-                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2,
-                                  max_registers=128, programmatic_launch=True),
+                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                  max_registers=168, programmatic_launch=True),
                  64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
                                   max_registers=224, programmatic_launch=True)},
     },

@@ -347,7 +347,10 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
                                         HAS_SINKS=layer_terms))]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
                                 variants=[dict(cap=cap, consts=consts, options=merge_options)]))
-        assert r["stack"] == 0, f"{name}: {r}"
+        # A verify row's stream merge with sinks keeps one 8-byte value on the stack (its
+        # all-rows step is [2, 16, 128] at G = 8, q_len 2); it runs once per segment, not per tile.
+        allowed = 8 if (query.multi_q and layer_terms and name == "merge_stream_kernel") else 0
+        assert r["stack"] <= allowed, f"{name}: {r}"
 
 
 @pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 1)], ids=["d128-p16", "d64-p1"])

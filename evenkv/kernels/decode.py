@@ -381,8 +381,12 @@ def decode_stream_kernel(
     b = tl.load(cta_start_ptr + 4 * cta + 1)
     seq_len = tl.load(cta_start_ptr + 4 * cta + 2)
     req_lo = tl.load(cta_start_ptr + 4 * cta + 3)
-    pos = tl.load(cta_pos_ptr + cta)
-    end = tl.load(cta_pos_ptr + cta + 1)
+    if DETERMINISTIC:
+        pos = tl.load(cta_pos_ptr + cta)
+        end = tl.load(cta_pos_ptr + cta + 1)
+    else:
+        pos = cta * piece
+        end = tl.minimum(pos + piece, tl.load(plan_scalars_ptr + 1))
     next_b = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1), mask=k + 1 < num_active, other=0)
     next_seq_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 1, mask=k + 1 < num_active, other=0)
     if DETERMINISTIC:
