@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from evenkv.attention import Attention, AttentionPlan
 
 POLICY_ENV = "EVENKV_POLICY"
-logger = logging.getLogger("evenkv")
+# Under vLLM's logger, whose handler prints INFO (an "evenkv" logger would only reach the root).
+logger = logging.getLogger("vllm.evenkv")
 # Pages evenkv's kernels take, restricted to what vLLM uses (its default block is 16).
 # Listed as exact sizes, not MultipleOf(16): vLLM then splits a larger manager block
 # (say 48 or 256) into kernel blocks of the largest size here that divides it.
