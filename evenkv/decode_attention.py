@@ -1,5 +1,6 @@
-"""Decode attention (one query token per request): ``DecodeAttention`` plans once per
-batch and runs once per layer; ``decode`` and ``write_kv`` are one-shot helpers.
+"""Decode attention (rows of one query token, or of 1 + draft tokens for speculative
+verify): ``DecodeAttention`` plans once per batch and runs once per layer; ``decode`` is
+the one-shot helper.
 
 CUDA-graph contract: ``plan`` and ``run`` launch GPU work only (no ``.item()``, no
 ``.cpu()``, no host sync, no allocation that depends on data), so both can be captured.

@@ -85,7 +85,7 @@ class StreamSchedule:
 
 @dataclass(frozen=True)
 class UnitSchedule:
-    """``fa3`` and ``deterministic`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
+    """``fa3`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
     split unit_split[j] ([U] int32 each). Per request ([B] int32): req_splits,
     req_tiles_per_split, req_split_base (index of its first split among all splits).
     num_units [1] int32 = Hkv * total splits; merge_list [B + 1] int32: the requests of more
@@ -110,7 +110,7 @@ class DecodePlan:
     batch_size: B (host int, from the shape of seq_lens).
     seq_lens: [B] int32, the lengths clamped to [0, page_table capacity].
     page_table: [B, max_pages] int32, the caller's tensor (its address is used at run).
-    schedule: StreamSchedule (balanced), UnitSchedule (fa3, deterministic) or None (none).
+    schedule: StreamSchedule (balanced, deterministic or not), UnitSchedule (fa3) or None (none).
     config: the DecodeConfig the batch runs with (``DecodeAttention.launch_config``).
     cu_seqlens_q: [B + 1] int32, the requests' query rows (q row b for plain decode).
     tree_mask: [>= total_q] int32 tree masks, or a [1] placeholder (query.tree says which).

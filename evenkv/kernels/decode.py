@@ -18,8 +18,9 @@ Two kernels walk the segments, one per scheduling mode:
   produces partial (O, LSE) pairs. The CTA that stores the last of a few pieces merges
   them (``_arrive_and_merge``); ``merge_stream_kernel`` merges segments of more pieces, in
   a grid launched early (programmatic dependent launch on sm90) that waits for the decode
-  kernel before it reads a partial.
-* ``decode_units_kernel`` (policies ``fa3`` and ``none``, and deterministic mode): work
+  kernel before it reads a partial. In deterministic mode (DETERMINISTIC) the ranges start
+  at chunk boundaries and ``merge_units_kernel`` merges the chunks in a fixed order.
+* ``decode_units_kernel`` (policies ``fa3`` and ``none``): work
   units are (request, split, KV head) triples. Persistent CTAs pull units from an atomic
   counter in the planner's (heaviest first) order, or one program runs one unit.
 
