@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
+from evenkv.decode_attention import MAX_DECODE_Q_LEN
 from benchmarks.peers import MODULES, Batch, Context, Runner, Shape, load, stop_background
 
 HERE = Path(__file__).resolve().parent
@@ -91,8 +92,8 @@ KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}  # auto: the KV pool in -
 # unequal, so an implementation that swaps K's and V's scale fails its check; sized so that
 # N(0, 1) data up to 7 sigma (K) / 14 sigma (V) stays inside fp8's +-448.
 KV_SCALES = (2.0 ** -6, 2.0 ** -5)
-# evenkv's decode rows take up to 16 query tokens: 1 + at most 15 draft tokens.
-MAX_DRAFT_TOKENS = 15
+# evenkv's decode rows take 1 + at most MAX_DECODE_Q_LEN - 1 draft tokens.
+MAX_DRAFT_TOKENS = MAX_DECODE_Q_LEN - 1
 
 
 def dist_lengths(dist: str, total: int, batch: int):

@@ -46,14 +46,15 @@ Engines:
           driven by a streaming client on localhost (aiohttp), as an operator runs it. The
           default is ``fa3`` (SGLang's Hopper default), ``triton`` a second baseline.
 
-Start-up, apart from the workloads: ``startup_s`` is the child's wall time from its start to
-a ready engine (imports included), ``engine_init_s`` the engine's own part (vLLM: the
-``LLM()`` call; SGLang: the server's first log line to a healthy ``/health``), ``import_s``
-the engine imports (vLLM). Children start in an order that rotates per (repeat, mode,
-shape) group (``--first`` picks who starts the first group); ``start_order`` is a child's
+Start-up, apart from the workloads: ``startup_s`` is the wall time to a ready engine (vLLM:
+from the child's start, imports included; SGLang: from the server's launch to a healthy
+``/health``), ``engine_init_s`` the engine's own part (vLLM: the ``LLM()`` call; SGLang: the
+server's first log line to a healthy ``/health``), ``import_s`` the engine imports (vLLM).
+Children start in an order that rotates per (mode, shape) group and per repeat
+(``child_order``; ``--first`` picks who starts the first group); ``start_order`` is a child's
 position in the whole run. ``--triton-cache fresh`` gives each child an empty
-``TRITON_CACHE_DIR``; ``shared`` keeps one per (engine, shape, backend) across children and
-runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
+``TRITON_CACHE_DIR``; ``shared`` keeps one per (engine, mode, tp, shape, backend) across
+children and runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
 ``triton_cache`` says whether a child found its cache empty (cold) or not (warm). Triton
 compiles are counted in the cache directory: at start-up, during the untimed warm-up
 requests after ready (``compiled_during_warmup``, kernel names) and during each workload
@@ -63,7 +64,8 @@ start-up compiles' names are in ``DIR/compiled-startup-<child>.txt``.
 Metrics per (engine, mode, tp, shape, backend, workload): output tokens/s, requests/s, TTFT
 and TPOT p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per request),
 decode step p50 (vLLM), peak requests in flight, ``tokens_per_step`` (new tokens per request
-per engine step after its first: 1 without speculation, more when drafts were accepted).
+per engine step after its first: 1 without speculation, more when drafts were accepted;
+SGLang reports it only under speculation, from its verify-step count).
 ``summary.md`` gives each backend's ratios to the engine's default backend in the same
 mode, tp, shape, workload and repeat, and its start-up difference.
 """
@@ -210,7 +212,7 @@ class RequestTiming:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
-    steps: int = 0  # engine steps (vLLM) or stream events (SGLang) that brought new tokens
+    steps: int = 0  # engine steps that brought new tokens (vLLM), SGLang's verify steps + 1 (0 without speculation)
 
     def record(self, now: float, new_tokens: int):
         if new_tokens <= 0:
@@ -447,7 +449,9 @@ async def http_serve(url: str, w: Workload, prompts: list[list[int]]) -> dict:
     return summarize(w, timings, [], in_flight[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, paths: tuple[str, ...] = ("/health",)) -> float:
+    """Seconds until every one of ``paths`` answers 200; raises if the server exits first or
+    is not ready after ``timeout_s``."""
     import urllib.request
 
     t0 = time.time()
@@ -455,12 +459,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return time.time() - t0
+            for path in paths:
+                with urllib.request.urlopen(url + path, timeout=5) as r:
+                    if r.status != 200:
+                        raise OSError(r.status)
+            return time.time() - t0
         except OSError:
-            pass
-        time.sleep(1.0)
+            time.sleep(1.0)
     raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s")
 
 
@@ -705,7 +710,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         if not rs:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(max(11, 0.7 * len(rs)), 3.8))
-        labels = [f"{r['workload']}\n{r['mode']}\n{r['backend']}" for r in rs]
+        # The fields that tell the bars apart: shape, tp and repeat only where the run has several.
+        varying = [k for k in ("shape", "tp", "repeat") if len({r[k] for r in rs}) > 1]
+        labels = ["\n".join([r["workload"], r["mode"], r["backend"], *(f"{k} {r[k]}" for k in varying)]) for r in rs]
         for ax, key, title in ((axes[0], "tok_s_ratio", "output tokens/s"), (axes[1], "tpot_p50_speedup", "TPOT p50")):
             vals = [r[key] or 0 for r in rs]
             ax.bar(range(len(vals)), vals, color="#3b7dd8")
@@ -766,19 +773,18 @@ class Child:
 def child_order(backends: list[str], modes: list[str], shapes: list[str], repeats: int,
                 first: str | None = None) -> list[Child]:
     """Every (repeat, mode, shape, backend) child in start order. The backends' order rotates
-    by one from each (repeat, mode, shape) group to the next, so each backend starts first in
-    turn (a first child pays the machine's cold caches); ``first`` starts the first group."""
+    by one from each (mode, shape) group to the next within a repeat, and by one more each
+    repeat, so each backend starts first in turn, within every (mode, shape) across repeats too
+    (a first child pays the machine's cold caches); ``first`` starts the first group."""
     if first is not None and first not in backends:
         raise ValueError(f"first: expected one of the backends {backends}, got {first!r}")
     offset = backends.index(first) if first is not None else 0
-    children, k = [], 0
-    for repeat in range(1, repeats + 1):
-        for mode in modes:
-            for shape in shapes:
-                r = (offset + k) % len(backends)
-                for backend in backends[r:] + backends[:r]:
-                    children.append(Child(repeat, mode, shape, backend, len(children) + 1))
-                k += 1
+    children = []
+    for repeat in range(repeats):
+        for g, (mode, shape) in enumerate((m, s) for m in modes for s in shapes):
+            r = (offset + repeat + g) % len(backends)
+            for backend in backends[r:] + backends[:r]:
+                children.append(Child(repeat + 1, mode, shape, backend, len(children) + 1))
     return children
 
 
@@ -796,10 +802,11 @@ def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
 
 
 def triton_cache_for(a, c: Child, shared_root: Path | None) -> str:
-    """A fresh directory per child, or one per (engine, shape, backend) under ``shared_root``."""
+    """A fresh directory per child, or one per (engine, mode, tp, shape, backend) under
+    ``shared_root`` (a mode compiles kernel variants of its own)."""
     if shared_root is None:
         return tempfile.mkdtemp(prefix="evenkv-triton-cache-")
-    d = shared_root / f"{a.engine}-{c.shape}-{c.backend}"
+    d = shared_root / f"{a.engine}-{c.mode}-tp{a.tp}-{c.shape}-{c.backend}"
     d.mkdir(parents=True, exist_ok=True)
     return str(d)
 
@@ -910,8 +917,9 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.cmd in ("vllm", "sglang"):
         a.modes = split_list(a.mode) or ["default"]
-        for m in a.modes:
-            mode_env(a.engine, m)  # a bad name fails here
+        unknown = [m for m in a.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {', '.join(map(repr, unknown))}")
         if a.repeats < 1:
             raise ValueError(f"repeats: expected >= 1, got {a.repeats}")
     if a.cmd != "report":

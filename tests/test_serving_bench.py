@@ -203,7 +203,7 @@ def test_csv_written_by_an_older_version_is_rewritten_with_the_new_columns(tmp_p
         ("evenkv", "7", ""), ("FLASH_ATTN", "100", "default"), ("evenkv", "110", "default")]
 
 
-def test_every_row_column_is_documented_in_the_csv():
+def test_the_csv_header_has_every_row_column():
     for col in ("mode", "tp", "start_order", "repeat", "triton_cache", "engine_init_s", "import_s",
                 "compiled_during_run", "compiled_during_warmup", "tokens_per_step", "torch_compile", "spec"):
         assert col in serving.COLUMNS
@@ -247,11 +247,16 @@ def test_cli_modes_tp_and_default_backends(tmp_path):
 def test_children_rotate_which_backend_starts_first():
     kids = serving.child_order(["evenkv", "fa3", "triton"], ["default", "batch-invariant"], ["s"], 2)
     groups = [[c.backend for c in kids[i:i + 3]] for i in range(0, len(kids), 3)]
-    assert groups == [["evenkv", "fa3", "triton"], ["fa3", "triton", "evenkv"], ["triton", "evenkv", "fa3"],
-                      ["evenkv", "fa3", "triton"]]
+    assert groups == [["evenkv", "fa3", "triton"], ["fa3", "triton", "evenkv"], ["fa3", "triton", "evenkv"],
+                      ["triton", "evenkv", "fa3"]]
     assert [c.start_order for c in kids] == list(range(1, 13))
     assert [(c.repeat, c.mode) for c in kids[::3]] == [(1, "default"), (1, "batch-invariant"), (2, "default"),
                                                        (2, "batch-invariant")]
+    # Two backends, two modes, two repeats: each mode's first backend alternates across repeats.
+    pairs = serving.child_order(["evenkv", "fa3"], ["default", "spec-ngram"], ["s"], 2)
+    starts = {(c.repeat, c.mode): c.backend for c in pairs[::2]}
+    assert starts == {(1, "default"): "evenkv", (1, "spec-ngram"): "fa3", (2, "default"): "fa3",
+                      (2, "spec-ngram"): "evenkv"}
     first = serving.child_order(["evenkv", "FLASH_ATTN"], ["default"], ["a", "b"], 1, first="FLASH_ATTN")
     assert [(c.shape, c.backend) for c in first] == [("a", "FLASH_ATTN"), ("a", "evenkv"), ("b", "evenkv"),
                                                      ("b", "FLASH_ATTN")]
@@ -352,12 +357,12 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
     assert [(r["repeat"], r["mode"], r["backend"], r["start_order"]) for r in rows] == [
         ("1", "default", "evenkv", "1"), ("1", "default", "fa3", "2"),
         ("1", "batch-invariant", "fa3", "3"), ("1", "batch-invariant", "evenkv", "4"),
-        ("2", "default", "evenkv", "5"), ("2", "default", "fa3", "6"),
-        ("2", "batch-invariant", "fa3", "7"), ("2", "batch-invariant", "evenkv", "8")]
-    # one shared cache folder per backend: cold at its first start, warm after
-    evenkv_cache = tmp_path / "tc" / "sglang-qwen3-30b-a3b-attn-evenkv"
-    assert {r["status"] for r in rows if r["backend"] == "evenkv"} == {str(evenkv_cache)}
-    assert [r["triton_cache"] for r in rows if r["backend"] == "fa3"] == ["cold", "warm", "warm", "warm"]
+        ("2", "default", "fa3", "5"), ("2", "default", "evenkv", "6"),
+        ("2", "batch-invariant", "evenkv", "7"), ("2", "batch-invariant", "fa3", "8")]
+    # one shared cache folder per (mode, backend): cold at its first start, warm in the second repeat
+    for r in rows:
+        assert r["status"] == str(tmp_path / "tc" / f"sglang-{r['mode']}-tp1-qwen3-30b-a3b-attn-{r['backend']}")
+        assert r["triton_cache"] == ("cold" if r["repeat"] == "1" else "warm")
     assert (out / "summary.md").exists()
 
 
