@@ -160,8 +160,8 @@ def percentiles(xs: list[float]) -> dict:
 # -- vLLM -------------------------------------------------------------------------------------
 
 
-def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int, extra: dict | None = None):
-    """``vllm.LLM`` for ``a``'s options; ``extra`` adds or overrides ``LLM`` arguments."""
+def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batched: int):
+    """``vllm.LLM`` for ``a``'s options."""
     if a.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -182,7 +182,7 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
               enforce_eager=not a.graphs, kv_cache_dtype=a.kv_cache_dtype)
     if a.graphs:
         # Graph sizes count tokens: a speculative decode step holds 1 + K per request.
-        per_request = 1 + getattr(a, "spec_ngram", 0)
+        per_request = 1 + a.spec_ngram
         sizes = [s * per_request for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < max_num_seqs]
         sizes.append(max_num_seqs * per_request)
         # Full graphs of decode steps without torch.compile: what the backend's
@@ -192,10 +192,9 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
         kw["compilation_config"] = compilation
     if a.native_ops:
         kw["kernel_config"] = {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}
-    if getattr(a, "spec_ngram", 0):
+    if a.spec_ngram:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": a.spec_ngram,
                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    kw.update(extra or {})
     return LLM(**kw)
 
 
@@ -265,7 +264,7 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
         kw.update(cuda_graph_max_bs_decode=max_num_seqs, cuda_graph_max_bs_prefill=512)
     else:
         kw["disable_cuda_graph"] = True
-    if getattr(a, "spec_ngram", 0):
+    if a.spec_ngram:
         # K drafts in a chain: SGLang counts the verified row (last token + K drafts) as draft tokens.
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.spec_ngram + 1,
                   speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=1)
@@ -371,6 +370,22 @@ def _ms(st: dict) -> str:
 # -- orchestration: both backends, HF reference -----------------------------------------------
 
 
+def run_json_child(cmd: list[str], label: str, json_path: str, timeout: float) -> dict:
+    """Run a child process that writes its results to ``json_path``; return them (and remove the
+    file), or raise naming ``label`` if it failed or ran past ``timeout`` seconds."""
+    t = time.time()
+    try:
+        rc = subprocess.run(cmd, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if rc != 0:
+        raise RuntimeError(f"the {label} child failed ({rc}) after {time.time() - t:.0f}s; its log is above")
+    with open(json_path) as f:
+        res = json.load(f)
+    os.unlink(json_path)
+    return res
+
+
 def run_child(a, backend: str, workloads_csv: str) -> dict:
     fd, path = tempfile.mkstemp(prefix=f"offline_generate_{backend}_", suffix=".json")
     os.close(fd)
@@ -385,17 +400,7 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
     if a.skewed:
         cmd.append("--skewed")
     log(f"child: {backend}, {workloads_csv}")
-    t = time.time()
-    try:
-        rc = subprocess.run(cmd, timeout=a.child_timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    if rc != 0:
-        raise RuntimeError(f"the {backend} child failed ({rc}) after {time.time() - t:.0f}s; its log is above")
-    with open(path) as f:
-        res = json.load(f)
-    os.unlink(path)
-    return res
+    return run_json_child(cmd, backend, path, a.child_timeout)
 
 
 def hf_scores(model: str, prompts, outputs) -> list[list[tuple[int, float, dict]]]:

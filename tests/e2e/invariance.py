@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,16 +152,7 @@ def spawn(a, argv: list[str], which: str) -> dict:
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", which, "--json-out", path]
     compare.log(f"child: {which} prefill")
-    try:
-        rc = subprocess.run(cmd, timeout=a.child_timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    if rc != 0:
-        raise RuntimeError(f"the {which}-prefill child failed ({rc}); its log is above")
-    with open(path) as f:
-        res = json.load(f)
-    os.unlink(path)
-    return res
+    return compare.run_json_child(cmd, f"{which}-prefill", path, a.child_timeout)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny random checkpoints whose attention layers have what a served model adds to plain
-attention (GPU machine; tests/e2e/vllm.sh uses them):
+attention (GPU machine; tests/e2e/vllm.sh and sglang.sh use them):
 
     python tests/e2e/layer_models.py gpt-oss OUT    gpt-oss-20b's attention: 64 q / 8 kv heads,
         head dim 64, sinks, 128-token sliding window on every other layer (4 layers, 4 experts)

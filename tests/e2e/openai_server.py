@@ -31,7 +31,8 @@ clean stop by PID.
 5. Stop: SIGTERM to the server's PID, then SIGKILL, by PID, to each of its child processes
    still alive after --stop-grace seconds (and to the server itself if it is).
 
-Prints ``RESULT openai ... answered=N/N bad=0 kernels_logged=1 clean_stop=1 ok=1``.
+Prints ``RESULT openai ... answered=N/N bad=0 kernels_logged=1 clean_stop=1 ok=1``: ok needs every
+answer right, the kernel line and the server stopped; clean_stop says whether SIGTERM alone did it.
 Exit status: 0 ok, 1 a check failed, 3 no CUDA GPU.
 """
 
@@ -52,6 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.serving import wait_healthy  # noqa: E402  (the serving benchmark's readiness poll)
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]  # ids 0..4
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -132,25 +136,6 @@ def server_cmd(engine: str, model: Path, backend: str, port: int, native_ops: bo
     return cmd + extra
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until ``/health`` and ``/v1/models`` answer 200; raises if the server exits first."""
-    import urllib.request
-
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            for path in ("/health", "/v1/models"):
-                with urllib.request.urlopen(url + path, timeout=5) as r:
-                    if r.status != 200:
-                        raise OSError(r.status)
-            return time.time() - t0
-        except OSError:
-            time.sleep(1.0)
-    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s")
-
-
 def descendants(pid: int) -> list[int]:
     """PIDs of ``pid``'s child processes, recursively (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -216,7 +201,6 @@ class Answer:
     problem: str | None = None
     text: str = ""
     events: int = 0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -316,7 +300,6 @@ async def send_load(url: str, prompts: list[str], requests: int, concurrency: in
         path, body = request_body(kind, prompts[i % len(prompts)], max_tokens)
         answer = Answer(kind)
         async with gate:
-            t = time.perf_counter()
             try:
                 async with session.post(url + path, json=body) as r:
                     if r.status != 200:
@@ -328,7 +311,6 @@ async def send_load(url: str, prompts: list[str], requests: int, concurrency: in
                         answer.problem, answer.text = check_full(kind, await r.json(), max_tokens)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
                 answer.problem = f"{type(err).__name__}: {err}"
-            answer.seconds = time.perf_counter() - t
         report.answers.append(answer)
 
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -386,7 +368,7 @@ def main(argv=None) -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         report, ready_s, error = LoadReport(), None, None
         try:
-            ready_s = wait_ready(url, proc, a.startup_timeout)
+            ready_s = wait_healthy(url, proc, a.startup_timeout, paths=("/health", "/v1/models"))
             print(f"[openai] ready in {ready_s:.1f}s (PID {proc.pid})", flush=True)
             t = time.time()
             report = asyncio.run(send_load(url, lines, a.requests, a.concurrency, a.max_tokens))
