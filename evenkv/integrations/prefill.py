@@ -19,7 +19,7 @@ logger = logging.getLogger("evenkv")
 
 # FA3 with one KV split walks each query block's keys in one fixed order, so a query row's
 # result depends only on its own request's keys: bitwise the same alone or in any batch, and
-# prefilled in one chunk or several (tests/gpu/test_prefill_invariance.py, on the H200).
+# prefilled in one chunk or several (tests/gpu/test_prefill_invariance.py).
 # With its own split count it is batch invariant but not chunking invariant.
 INVARIANT_NUM_SPLITS = 1
 

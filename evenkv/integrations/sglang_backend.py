@@ -155,6 +155,9 @@ class EvenKVAttnBackend(AttentionBackend):
         self.dtype = model_runner.dtype if self.fp8 else pool.dtype  # a 16-bit pool is in the model dtype
         # Widest page table a request can need: the req_to_token row, in pages.
         self.max_pages = math.ceil(self.req_to_token.shape[1] / self.page_size)
+        # SGLang's EAGLE worker sizes a verify step's tree mask as B x this when the batch's
+        # seq_lens_sum is unknown (after a request leaves or joins the batch).
+        self.max_context_len = model_runner.model_config.context_len
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         # Speculative verify: D query tokens per request, as decode rows (tree-masked or causal).
@@ -242,7 +245,7 @@ class EvenKVAttnBackend(AttentionBackend):
                 continue
             view = out[swa_pool][: pool_slots.shape[0], :width]
             if p > 1:
-                view.copy_(pool_slots // p)
+                torch.floor_divide(pool_slots, p, out=view)
             else:
                 view.copy_(pool_slots)
             tables[swa_pool] = view
@@ -310,7 +313,7 @@ class EvenKVAttnBackend(AttentionBackend):
         tree_mask = None
         if self.tree_verify:
             if prefix_cpu is not None:
-                _check_full_mask_size(spec_info.custom_mask, int(sum(prefix_cpu[:bs])), bs, d)
+                _check_full_mask_size(spec_info.custom_mask, int(prefix_cpu[:bs].sum()), bs, d)
             tree_mask = self._tree_mask[: bs * d]
             self._fill_tree_mask(spec_info.custom_mask, forward_batch.seq_lens[:bs], tree_mask)
         plans = {kind: attention.plan(self._verify_cu_seqlens[:bs + 1], seq_lens, tables[kind.swa_pool],
@@ -389,8 +392,7 @@ class EvenKVAttnBackend(AttentionBackend):
         if max_bs > pool_rows:
             raise ValueError(f"evenkv: CUDA graphs of up to {max_bs} requests, but the request pool holds {pool_rows}")
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.cuda_graph_seq_lens = (self._verify_seq_lens[:max_bs] if self.verify_q_len
-                                    else torch.zeros(max_bs, **i32))
+        self.cuda_graph_seq_lens = torch.zeros(max_bs, **i32)
         pools = (False, True) if self.swa_layer_ids else (False,)
         self.cuda_graph_page_tables = {swa: torch.zeros(max_bs, self.max_pages, **i32) for swa in pools}
         if self.swa_layer_ids:
@@ -436,7 +438,7 @@ class EvenKVAttnBackend(AttentionBackend):
             else:
                 spec_info = self._check_verify_input(forward_batch.spec_info)
                 if live_cpu is not None:
-                    _check_full_mask_size(spec_info.custom_mask, int(sum(live_cpu)), bs - padding, width)
+                    _check_full_mask_size(spec_info.custom_mask, int(live_cpu.sum()), bs - padding, width)
                 self._fill_tree_mask(spec_info.custom_mask, forward_batch.seq_lens[:bs], tree_mask,
                                      rows_valid=seq_lens > 0)
         if self.cuda_graph_swa_out_cache_loc is not None:

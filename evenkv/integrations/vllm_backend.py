@@ -573,7 +573,8 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         if self.kind not in md.plans:
             raise RuntimeError(f"evenkv: no plan for this layer's kind {self.kind} (planned: {list(md.plans)})")
         attention, plan = md.plans[self.kind]
-        self._warm_up([attention], query, kv_cache, output)
+        if not attention.warmed_up:
+            self._warm_up([attention], query, kv_cache, output)
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
         n = md.num_actual_tokens
         attention.run(plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale, sinks=self.sinks,

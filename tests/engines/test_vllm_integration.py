@@ -24,7 +24,6 @@ imported (else ``vllm.triton_utils`` sees no active driver and disables triton),
 
 import importlib.metadata
 import importlib.util
-import math
 import os
 from types import SimpleNamespace
 
@@ -49,9 +48,7 @@ from evenkv.integrations import vllm as plugin  # noqa: E402
 from evenkv.integrations.vllm_backend import (EvenKVBackend, EvenKVImpl, EvenKVMetadataBuilder,  # noqa: E402
                                               LayerKind, kv_cache_slot_views, verify_q_len)
 from evenkv.kernels.reference import extend_reference, kv_write_reference  # noqa: E402
-from gpu.test_compile_count import compiles  # noqa: E402,F401 (a fixture)
 from helpers import TOLERANCE_FLOOR  # noqa: E402
-from test_specialization import recorder  # noqa: E402,F401 (a fixture)
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 HQ, HKV, D, BLOCK = 4, 2, 64, 16  # G = 2
