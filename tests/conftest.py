@@ -18,8 +18,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from evenkv.configs import is_interpreter  # noqa: E402
+from evenkv.kernels import decode_launch, extend_launch, plan_launch  # noqa: E402
+from helpers import Recorder  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,3 +50,28 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Records every launch's specialization key instead of launching (``helpers.Recorder``)."""
+    rec = Recorder()
+    monkeypatch.setattr(decode_launch, "launch_or_compile", rec)
+    monkeypatch.setattr(extend_launch, "launch_or_compile", rec)
+    monkeypatch.setattr(plan_launch, "launch_or_compile", rec)
+    return rec
+
+
+@pytest.fixture
+def compiles():
+    """``module.name`` of each kernel specialization Triton builds while the fixture is active."""
+    seen = []
+
+    def hook(*, fn, **kwargs):
+        seen.append(f"{fn.module}.{fn.name}")
+        return None
+
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    yield seen
+    triton.knobs.runtime.jit_post_compile_hook = old

@@ -1,7 +1,8 @@
 """Shared test helpers: paged batches, the tolerance rule, a low-precision torch baseline,
-ahead-of-time compiles for CUDA targets. The data builders and the rule itself live in
+ahead-of-time compiles for CUDA targets, the launch recorder (``Recorder``). The data builders and the rule itself live in
 ``evenkv.testing`` (the benchmarks and the demo use them too)."""
 
+import inspect
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evenkv.kernels.reference import decode_reference, extend_reference, gather_request_kv
+from evenkv.kernels.reference import decode_reference, extend_reference, gather_request_kv, kv_write_reference
 from evenkv.testing import GARBAGE_PAGE, TOLERANCE_FLOOR, max_error, random_paged_batch, tolerance  # noqa: F401
 
 
@@ -56,6 +57,28 @@ def assert_close_to_reference(out, q, k_cache, v_cache, seq_lens, page_table, pa
     return err, bound
 
 
+def assert_extend_close_to_reference(out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, page_size,
+                                     **terms):
+    """Tolerance rule for rows of several query tokens (q [total_q, Hq, D], cu_seqlens_q [B + 1]):
+    against ``extend_reference`` in fp32, with the same reference in q's dtype as the baseline.
+    terms: extend_reference's (sliding_window, logit_cap, sinks, k_scale, v_scale, tree_mask, ...)."""
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, page_size)
+    ref = extend_reference(*args, **terms)
+    lowp = extend_reference(*args, compute_dtype=q.dtype, **terms)
+    err, bound = max_error(out, ref), tolerance(ref, lowp, q.dtype)
+    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e} ({q.dtype})"
+    return err, bound
+
+
+def fp8_caches(k_cache, v_cache, k_scale: float, v_scale: float):
+    """The same caches quantized to e4m3 (stored = real / scale), as write_kv stores them."""
+    k8 = torch.empty_like(k_cache, dtype=torch.float8_e4m3fn)
+    v8 = torch.empty_like(v_cache, dtype=torch.float8_e4m3fn)
+    slots = torch.arange(k_cache.shape[0], device=k_cache.device)
+    kv_write_reference(k8, v8, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
+    return k8, v8
+
+
 def aot_compile(spec: dict) -> list:
     """Compile a kernel for CUDA targets on this machine (tests/aot_compile.py, in a fresh
     interpreter without TRITON_INTERPRET); one dict per variant (regs, stack, shared,
@@ -68,3 +91,42 @@ def aot_compile(spec: dict) -> list:
         pytest.skip(f"no CUDA toolchain in this Triton build: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def specialization_key(kernel, args, kwargs) -> tuple:
+    """What Triton keys a compiled variant of ``kernel`` on, for this launch."""
+    fn = getattr(kernel, "fn", kernel)
+    options = getattr(kernel, "kwargs", None) or {}
+    dont = set(options.get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or ())
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k in params})
+    parts = []
+    for name, param in params.items():
+        value = bound.get(name, param.default)
+        if "constexpr" in str(param.annotation):
+            parts.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or value is None:
+            parts.append((name, value))
+        elif isinstance(value, int):
+            width = "i32" if -2**31 <= value < 2**31 else "i64"
+            parts.append((name, width) if name in dont else (name, width, value == 1, value % 16 == 0))
+        elif isinstance(value, float):
+            parts.append((name, "fp32"))
+        else:
+            raise TypeError(f"{name}: {type(value).__name__}")
+    launch_options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
+    return fn.__name__, tuple(parts), launch_options
+
+
+class Recorder:
+    """Stands in for ``launch_or_compile``: records each launch's key, runs nothing."""
+
+    def __init__(self):
+        self.compiled, self.launched = set(), []
+
+    def __call__(self, kernel, grid, warmup, *args, **kwargs):
+        key = specialization_key(kernel, args, kwargs)
+        (self.compiled.add(key) if warmup else self.launched.append(key))

@@ -117,7 +117,7 @@ def _unit_plan(tiles, splits, num_kv_heads):
                 num_units=nxt * num_kv_heads)
 
 
-def simulate_stream(plan, num_ctas, num_kv_heads, block_n):
+def simulate_stream(plan, num_ctas, num_kv_heads):
     """Walk each CTA exactly as decode_stream_kernel does.
 
     Returns (pieces, writes): pieces[c] = list of (b, h, tile_begin, tile_end);
@@ -156,7 +156,7 @@ def simulate_stream(plan, num_ctas, num_kv_heads, block_n):
     return pieces, writes
 
 
-def stream_merge_reads(plan, num_kv_heads, block_n):
+def stream_merge_reads(plan, num_kv_heads):
     """Partial slots of each cut segment, in merge order: {(b, h): [slots]}. Its pieces run
     on CTAs first .. last; CTA c's piece is at slot 2c + (c == first). A chunked
     (deterministic) plan: the segments of several chunks, chunk k at slot (base + k) * Hkv + h
@@ -185,7 +185,7 @@ def stream_fused_merges(reads, fused_pieces):
     return {key: (slots[0] - 1) // 2 for key, slots in reads.items() if len(slots) <= fused_pieces}
 
 
-def stream_merge_shares(plan, num_ctas, num_kv_heads, block_n, fused_pieces, consts):
+def stream_merge_shares(plan, num_ctas, num_kv_heads, fused_pieces, consts):
     """What each program j of merge_stream_kernel merges (its selection and sharing rule,
     for the step shapes in ``consts``, from ``merge_stream_constants``):
     {(b, h): [(j, row, first column, end column)]}; a segment has G rows per query token."""

@@ -8,7 +8,7 @@ import torch
 
 import evenkv
 from evenkv.kernels.reference import kv_write_reference
-from helpers import assert_close_to_reference, make_paged_batch
+from helpers import assert_close_to_reference, fp8_caches, make_paged_batch
 
 FP8 = torch.float8_e4m3fn
 HQ, HKV, D, PAGE = 4, 2, 64, 16
@@ -25,14 +25,6 @@ FEATURES = {
 }
 
 
-def _fp8_caches(k_cache, v_cache):
-    """The same random cache quantized to e4m3 (stored = real / scale), as write_kv stores it."""
-    k8, v8 = torch.empty_like(k_cache, dtype=FP8), torch.empty_like(v_cache, dtype=FP8)
-    slots = torch.arange(k_cache.shape[0], device=k_cache.device)
-    kv_write_reference(k8, v8, k_cache, v_cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
-    return k8, v8
-
-
 def _run_case(device, policy, features, *, dtype=torch.bfloat16, deterministic=None):
     q, kc, vc, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, D, PAGE, dtype, device, seed=3)
     layer = dict(sliding_window=features.get("sliding_window"), logit_cap=features.get("logit_cap"))
@@ -40,7 +32,7 @@ def _run_case(device, policy, features, *, dtype=torch.bfloat16, deterministic=N
     if features.get("sinks"):
         run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
     if features.get("fp8"):
-        kc, vc = _fp8_caches(kc, vc)
+        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
         run.update(k_scale=K_SCALE, v_scale=V_SCALE)
     attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, dtype, device, 8, pt.shape[1], policy, num_ctas=5,
                                   kv_dtype=kc.dtype, deterministic=deterministic, **layer)
@@ -161,7 +153,7 @@ def test_cache_dtype_must_match_kv_dtype(device):
     plan = attn.plan(seq_lens, pt)
     with pytest.raises(TypeError, match="k_cache"):
         attn.run(plan, q, kc, vc)
-    k8, v8 = _fp8_caches(kc, vc)
+    k8, v8 = fp8_caches(kc, vc, K_SCALE, V_SCALE)
     with pytest.raises(TypeError, match="v_cache"):
         attn.run(plan, q, k8, vc)
 

@@ -277,4 +277,6 @@ def test_extend_nan_in_q_propagates(device):
     out = evenkv.extend(q, kc, vc, **dict(meta, page_table=pt[:, :0]), max_q_len=5, config=SMALL)
     ref = extend_reference(q, kc, vc, **dict(meta, page_table=pt[:, :0], seq_lens=torch.zeros_like(lens)))
     assert (out == 0).all() and (ref == 0).all()
-    evenkv.errors.error_flag(device).zero_()
+    flag = evenkv.errors.error_flag(device)
+    assert int(flag.item()) & evenkv.errors.LENGTH_OUT_OF_RANGE, "lengths past a table of no columns are flagged"
+    flag.zero_()

@@ -4,69 +4,19 @@ specialization key of a launch ``warmup`` made.
 Triton compiles a kernel once per key: the constexpr values, the launch options, the
 dtypes of the tensors and whether their addresses are 16-byte aligned, and for each integer
 argument not marked ``do_not_specialize`` whether it is 1 and whether it is a multiple of
-16. The launchers are recorded here instead of run (nothing executes), so the test is
-fast on any machine; ``tests/gpu/test_compile_count.py`` counts real compilations on a GPU.
+16. The launchers are recorded instead of run (the ``recorder`` fixture; nothing executes),
+so the test is fast on any machine; ``tests/gpu/test_compile_count.py`` counts real
+compilations on a GPU.
 """
-
-import inspect
 
 import pytest
 import torch
 
 import evenkv
 from evenkv.kv_cache import warmup_write_kv
-from evenkv.kernels import decode_launch, extend_launch, plan_launch
 
 
-def specialization_key(kernel, args, kwargs) -> tuple:
-    """What Triton keys a compiled variant of ``kernel`` on, for this launch."""
-    fn = getattr(kernel, "fn", kernel)
-    options = getattr(kernel, "kwargs", None) or {}
-    dont = set(options.get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or ())
-    params = inspect.signature(fn).parameters
-    bound = dict(zip(params, args))
-    bound.update({k: v for k, v in kwargs.items() if k in params})
-    parts = []
-    for name, param in params.items():
-        value = bound.get(name, param.default)
-        if "constexpr" in str(param.annotation):
-            parts.append((name, value))
-        elif isinstance(value, torch.Tensor):
-            parts.append((name, value.dtype, value.data_ptr() % 16 == 0))
-        elif isinstance(value, bool) or value is None:
-            parts.append((name, value))
-        elif isinstance(value, int):
-            width = "i32" if -2**31 <= value < 2**31 else "i64"
-            parts.append((name, width) if name in dont else (name, width, value == 1, value % 16 == 0))
-        elif isinstance(value, float):
-            parts.append((name, "fp32"))
-        else:
-            raise TypeError(f"{name}: {type(value).__name__}")
-    launch_options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in params))
-    return fn.__name__, tuple(parts), launch_options
-
-
-class Recorder:
-    """Stands in for ``launch_or_compile``: records each launch's key, runs nothing."""
-
-    def __init__(self):
-        self.compiled, self.launched = set(), []
-
-    def __call__(self, kernel, grid, warmup, *args, **kwargs):
-        key = specialization_key(kernel, args, kwargs)
-        (self.compiled.add(key) if warmup else self.launched.append(key))
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    rec = Recorder()
-    monkeypatch.setattr(decode_launch, "launch_or_compile", rec)
-    monkeypatch.setattr(extend_launch, "launch_or_compile", rec)
-    monkeypatch.setattr(plan_launch, "launch_or_compile", rec)
-    return rec
-
-
-def _assert_covered(rec: Recorder):
+def _assert_covered(rec):
     missing = {key for key in rec.launched if key not in rec.compiled}
     assert rec.launched and not missing, f"{len(missing)} launch keys not compiled at warm-up: {sorted(missing)[:3]}"
 

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 import evenkv
-from evenkv.kernels.reference import extend_reference, kv_write_reference
-from helpers import make_paged_batch, max_error, tolerance
+from helpers import assert_extend_close_to_reference, fp8_caches, make_paged_batch, max_error
 
-FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.05, 0.04
 # (request lengths, query tokens of each): a long request cut across CTAs, a short one, one
 # of a single token, a padding row (seq_len 0) that keeps two q rows, a request of no query.
@@ -27,15 +25,6 @@ def verify_batch(lens, q_lens, hq, hkv, d, page_size, dtype, device, seed=0):
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(dtype).to(device)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=device)
     return q, kc, vc, seq_lens, pt, cu
-
-
-def assert_matches(out, q, kc, vc, cu, seq_lens, pt, page_size, **terms):
-    """The tolerance rule (evenkv.testing.tolerance) against the fp32 and q-dtype references."""
-    args = (q, kc, vc, cu, seq_lens, pt, page_size)
-    ref = extend_reference(*args, **terms)
-    lowp = extend_reference(*args, compute_dtype=q.dtype, **terms)
-    err, bound = max_error(out, ref), tolerance(ref, lowp, q.dtype)
-    assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e}"
 
 
 def _attn(device, hq, hkv, d, page_size, dtype, pt, policy="balanced", max_q_len=4, **kw):
@@ -58,11 +47,11 @@ def test_verify_rows_match_reference(device, policy, deterministic, group, hkv, 
     plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4)
     out = torch.full_like(q, float("nan"))
     attn.run(plan, q, kc, vc, out=out)
-    assert_matches(out, q, kc, vc, cu, seq_lens, pt, page_size)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, page_size)
     assert torch.all(out[int(cu[3]):int(cu[4])] == 0), "a padding row's query rows are zeros"
     # The same plan serves the next layer (new q, same rows).
     q2 = torch.randn_like(q)
-    assert_matches(attn.run(plan, q2, kc, vc), q2, kc, vc, cu, seq_lens, pt, page_size)
+    assert_extend_close_to_reference(attn.run(plan, q2, kc, vc), q2, kc, vc, cu, seq_lens, pt, page_size)
 
 
 @pytest.mark.parametrize("max_q_len,q_lens", [(2, [2, 2, 1, 2, 2]), (5, [5, 1, 3, 0, 5]), (8, [8, 7, 2, 1, 6]),
@@ -74,8 +63,8 @@ def test_q_length_buckets(device, max_q_len, q_lens):
     lens = [200, 30, 64, 17, 16]
     q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, d, ps, dtype, device, seed=max_q_len)
     attn = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=max_q_len)
-    assert_matches(attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=max_q_len), q, kc, vc), q, kc, vc, cu,
-                   seq_lens, pt, ps)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=max_q_len), q, kc, vc)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
 
 
 def _tree_masks(q_lens, seed):
@@ -105,19 +94,12 @@ def test_tree_masks(device, policy, deterministic):
     attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, tree_masks=True,
                  deterministic=deterministic)
     out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=tree), q, kc, vc)
-    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps, tree_mask=tree)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, tree_mask=tree)
     chain = torch.tensor([(1 << (t + 1)) - 1 for n in q_lens for t in range(n)], dtype=torch.int32, device=device)
     by_chain = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=chain), q, kc, vc)
     causal = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6), q, kc, vc)
     assert torch.equal(by_chain, causal)
     assert max_error(out, causal.float()) > 1e-2, "the tree mask changed nothing"
-
-
-def _fp8(k_cache, v_cache):
-    k8, v8 = torch.empty_like(k_cache, dtype=FP8), torch.empty_like(v_cache, dtype=FP8)
-    slots = torch.arange(k_cache.shape[0], device=k_cache.device)
-    kv_write_reference(k8, v8, k_cache, v_cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
-    return k8, v8
 
 
 @pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
@@ -135,11 +117,11 @@ def test_layer_terms(device, policy, deterministic, terms):
     if terms.get("sinks"):
         run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
     if terms.get("fp8"):
-        kc, vc = _fp8(kc, vc)
+        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
         run.update(k_scale=K_SCALE, v_scale=V_SCALE)
     attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, deterministic=deterministic, kv_dtype=kc.dtype, **layer)
     out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc, **run)
-    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps, **layer, **run)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, **layer, **run)
 
 
 def test_window_costs_the_keys_of_the_rows(device):
@@ -218,7 +200,7 @@ def test_attention_mixes_verify_and_extend_rows(device, delegated):
                             prefill_kernel=prefill)
     plan = attn.plan(cu, seq_lens, pt, num_decodes=3, max_q_len=13, decode_q_len=4, num_decode_tokens=8)
     out = attn.run(plan, q, kc, vc)
-    assert_matches(out, q, kc, vc, cu, seq_lens, pt, ps)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
     if delegated:
         assert prefill.calls[0]["cu"] == [0, 13, 25] and prefill.calls[0]["rows"] == sum(q_lens) - 8
 

@@ -9,7 +9,6 @@ lengths, pages 16 (vLLM-like tensors) and 1 (SGLang-like, new tokens in k_new/v_
 
 import pytest
 import torch
-import triton
 
 import evenkv
 from evenkv.kv_cache import warmup_write_kv
@@ -18,21 +17,6 @@ from test_specialization import _tensors
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
 
 HQ, HKV, D = 8, 2, 128
-
-
-@pytest.fixture
-def compiles():
-    """``module.name`` of each kernel specialization Triton builds while the fixture is active."""
-    seen = []
-
-    def hook(*, fn, **kwargs):
-        seen.append(f"{fn.module}.{fn.name}")
-        return None
-
-    old = triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = hook
-    yield seen
-    triton.knobs.runtime.jit_post_compile_hook = old
 
 
 def test_the_hook_counts(compiles):

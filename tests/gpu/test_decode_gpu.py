@@ -9,7 +9,7 @@ import torch
 import evenkv
 from evenkv.kernels.reference import decode_reference, extend_reference
 from evenkv.testing import random_paged_batch
-from helpers import TOLERANCE_FLOOR, lowp_decode
+from helpers import TOLERANCE_FLOOR, assert_extend_close_to_reference, lowp_decode
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
@@ -225,11 +225,8 @@ def check_verify_sample(out, q, k, v, cu, seq_lens, pt, page_size, requests, **t
     for b in sorted({r for r in requests if 0 <= r < seq_lens.shape[0]}):
         lo, hi = int(cu[b]), int(cu[b + 1])
         sub_cu = torch.tensor([0, hi - lo], dtype=torch.int32, device="cuda")
-        args = (q[lo:hi], k, v, sub_cu, seq_lens[b:b + 1], pt[b:b + 1], page_size)
-        ref = extend_reference(*args, **terms)
-        base = (extend_reference(*args, compute_dtype=q.dtype, **terms).float() - ref).abs().max().item()
-        err = (out[lo:hi].float() - ref).abs().max().item()
-        assert err <= 2 * base + TOLERANCE_FLOOR[q.dtype], f"request {b}: error {err:.3e} (torch lowp {base:.3e})"
+        assert_extend_close_to_reference(out[lo:hi], q[lo:hi], k, v, sub_cu, seq_lens[b:b + 1], pt[b:b + 1],
+                                         page_size, **terms)
 
 
 @pytest.mark.parametrize("policy,deterministic", [("balanced", False), ("balanced", True), ("fa3", False),
