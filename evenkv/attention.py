@@ -230,7 +230,8 @@ class Attention:
         for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
                 plan_launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), self._cu, page_table,
-                                               self._errors, 1, self.page_size, self._audit_grid, warmup=True)
+                                               self._errors, 1, self.page_size, self._audit_grid, self.max_batch_size,
+                                               warmup=True)
         for config in configs:
             for dtype in index_dtypes:
                 lens = torch.zeros(1, dtype=dtype, device=dev)
@@ -382,7 +383,8 @@ class Attention:
         if self._audit_pending:
             num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else self.page_size)
             plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
-                                           num_slots // self.page_size, self.page_size, self._audit_grid)
+                                           num_slots // self.page_size, self.page_size, self._audit_grid,
+                                           self.max_batch_size)
             self._audit_pending = False
         if plan.decode is not None:
             nd = plan.num_decode_tokens

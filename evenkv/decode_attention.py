@@ -329,12 +329,14 @@ class DecodeAttention:
                 for dtype in index_dtypes:
                     lens = torch.zeros(block_b, dtype=dtype, device=self.device)
                     plan_launch.launch_audit_pages(lens, self._row_per_request, t["page_table"], self._errors, 1,
-                                                   self.page_size, self.num_sms, self.sliding_window or 0, warmup=True)
+                                                   self.page_size, self.num_sms, self.max_batch_size,
+                                                   self.sliding_window or 0, warmup=True)
                     for config, ctas, multi_q in plans if self._kind == "stream" else []:
                         plan_launch.launch_plan_stream(
                             lens, self._row_per_request, self._plan_seq_lens, dataclasses.replace(s, num_ctas=ctas),
                             self._errors, 1, self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads,
-                            config.block_n, self._chunking(config) if self.deterministic else None, warmup=True)
+                            config.block_n, self.max_batch_size, self._chunking(config) if self.deterministic else None,
+                            warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
@@ -393,7 +395,7 @@ class DecodeAttention:
             schedule = self._grid_schedules[ctas]
             plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule, self._errors, capacity,
                                            self.sliding_window or 0, q_len, bucket > 1, self.num_sms,
-                                           self.num_kv_heads, config.block_n,
+                                           self.num_kv_heads, config.block_n, self.max_batch_size,
                                            self._chunking(config) if self.deterministic else None)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
@@ -464,7 +466,7 @@ class DecodeAttention:
         """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
         slots in the error flag (the kernels never dereference them)."""
         plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
-                                       num_slots // self.page_size, self.page_size, self.num_sms,
+                                       num_slots // self.page_size, self.page_size, self.num_sms, self.max_batch_size,
                                        self.sliding_window or 0)
         self._audit_pending = False
 

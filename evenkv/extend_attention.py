@@ -189,7 +189,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
                        max_q_len=max_q_len, config=config, schedule=schedule)
     num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else page_size)
     plan_launch.launch_audit_pages(seq_lens, cu_seqlens_q, page_table, plan.errors, num_slots // page_size, page_size,
-                                     sm_count(dev))
+                                     sm_count(dev), batch)
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 

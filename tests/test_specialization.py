@@ -100,7 +100,7 @@ def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engi
     1 + k draft tokens, k = 3). vLLM-like: pages of 16, the cache read for every row, int32
     lengths only; decode rows of 1 to 1 + k query tokens (verify rows, short prefill chunks)
     then padding requests (q_len 0, seq_len 0) or prefill rows. SGLang-like: page 1, new
-    tokens in k_new/v_new, int32 and int64 lengths; uniform verify batches, plain decode
+    tokens in k_new/v_new, int64 lengths; uniform verify batches, plain decode
     batches and extend batches. Both engines' cu_seqlens_q are int32."""
     vllm = engine == "vllm-like"
     page_size, max_batch, width, verify = (16, 300, 64, 4) if vllm else (1, 300, 1024, 4)
@@ -109,7 +109,7 @@ def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engi
     attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width,
                             max_decode_q_len=verify)
     new = {} if vllm else dict(k_new=k_new, v_new=v_new)
-    index_dtypes = (torch.int32,) if vllm else (torch.int32, torch.int64)
+    index_dtypes = (torch.int32,) if vllm else (torch.int64,)
     attn.warmup(q, k_cache, v_cache, out=out, index_dtypes=index_dtypes, **new)
     gen = torch.Generator().manual_seed(2)
     for step in range(40):

@@ -45,7 +45,7 @@ CUDA graphs (SGLang's ``full`` decode graph runner: DECODE, or TARGET_VERIFY und
 speculative decoding):
 
 - ``init_cuda_graph_state(max_bs, max_num_tokens)`` allocates fixed-address buffers: seq_lens
-  ``[max_bs]`` int32, a page table ``[max_bs, max_pages]`` int32 per token pool, the window
+  ``[max_bs]`` int64, a page table ``[max_bs, max_pages]`` int32 per token pool, the window
   layers' write slots ``[max_num_tokens]``; the verify query offsets and tree masks live in
   buffers sized at construction.
 - ``init_forward_metadata_out_graph(fb)`` runs on the host before capture and before every
@@ -85,6 +85,10 @@ from evenkv.integrations.prefill import sglang_flash_attention
 from evenkv.integrations.sglang import speculative_verify
 
 logger = logging.getLogger("evenkv")
+# ForwardBatch.seq_lens' dtype. The adapter's own length buffers (verify lengths, CUDA-graph
+# lengths) take it too, so every plan sees one length dtype and the warm-up compiles the plan
+# and audit kernels for it alone.
+SGLANG_INDEX_DTYPE = torch.int64
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ class EvenKVAttnBackend(AttentionBackend):
             # Verify batches (eager and graphs): request i owns q rows [i * D, (i + 1) * D); its
             # evenkv length (SGLang's + D) and its tree mask rows live in these buffers.
             self._verify_cu_seqlens = torch.arange(max_batch_size + 1, **i32) * d
-            self._verify_seq_lens = torch.zeros(max_batch_size, **i32)
+            self._verify_seq_lens = torch.zeros(max_batch_size, dtype=SGLANG_INDEX_DTYPE, device=self.device)
             self._draft_index = torch.arange(d, dtype=torch.int64, device=self.device)
             self._causal_rows = ((2 << self._draft_index) - 1).to(torch.int32)  # row i sees drafts 0..i
             self._tree_mask = torch.zeros(max_batch_size * d, **i32) if self.tree_verify else None
@@ -211,7 +215,8 @@ class EvenKVAttnBackend(AttentionBackend):
         for kind, attention in self.attentions.items():
             layer_id = min((i for i, k in self.layer_kinds.items() if k == kind), default=0)
             k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer_id)
-            attention.warmup(q, k_cache, v_cache, out=torch.empty_like(q), sinks=sinks, **new)
+            attention.warmup(q, k_cache, v_cache, out=torch.empty_like(q), sinks=sinks,
+                             index_dtypes=(SGLANG_INDEX_DTYPE,), **new)
 
     # -- metadata -----------------------------------------------------------------
 
@@ -392,7 +397,7 @@ class EvenKVAttnBackend(AttentionBackend):
         if max_bs > pool_rows:
             raise ValueError(f"evenkv: CUDA graphs of up to {max_bs} requests, but the request pool holds {pool_rows}")
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.cuda_graph_seq_lens = torch.zeros(max_bs, **i32)
+        self.cuda_graph_seq_lens = torch.zeros(max_bs, dtype=SGLANG_INDEX_DTYPE, device=self.device)
         pools = (False, True) if self.swa_layer_ids else (False,)
         self.cuda_graph_page_tables = {swa: torch.zeros(max_bs, self.max_pages, **i32) for swa in pools}
         if self.swa_layer_ids:

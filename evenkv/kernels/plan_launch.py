@@ -16,37 +16,44 @@ from .plan import audit_pages_kernel, extend_plan_kernel, plan_stream_kernel
 # one program per SM (docs/tuning.md "Decode, the plan kernel").
 PLAN_MAX_BLOCK_B = 2048
 PLAN_COMPARE_TILE = 16384
+# Batches of up to PLAN_SMALL_BLOCK_B requests scan one small chunk; larger ones the chunk of
+# the object's largest batch. Two compiled variants per plan kernel, not one per power of two:
+# each variant is a compile at engine start-up, and a plan runs once per step, not per layer.
+PLAN_SMALL_BLOCK_B = 128
 # The plan kernel ranks PLAN_BLOCK_I requests per program against PLAN_BLOCK_J at a
 # time (a [64, 128] compare tile per step).
 PLAN_BLOCK_I = 64
 PLAN_BLOCK_J = 128
 
 
-def plan_block_b(batch_size: int) -> int:
-    """The plan kernel's batch chunk: the batch rounded up to a power of two, 128 to PLAN_MAX_BLOCK_B."""
-    return min(max(triton.next_power_of_2(batch_size), 128), PLAN_MAX_BLOCK_B)
+def plan_block_b(batch_size: int, max_batch_size: int) -> int:
+    """The plan and audit kernels' batch chunk: PLAN_SMALL_BLOCK_B for a batch of at most that
+    many requests, else max_batch_size rounded up to a power of two (at most PLAN_MAX_BLOCK_B)."""
+    if batch_size <= PLAN_SMALL_BLOCK_B:
+        return PLAN_SMALL_BLOCK_B
+    return min(max(triton.next_power_of_2(max_batch_size), PLAN_SMALL_BLOCK_B), PLAN_MAX_BLOCK_B)
 
 
 def plan_block_buckets(max_batch_size: int) -> list[int]:
     """Every ``plan_block_b`` a batch of 1 .. max_batch_size requests can take."""
-    return sorted({plan_block_b(min(1 << k, max_batch_size)) for k in range(max_batch_size.bit_length() + 1)})
+    return sorted({plan_block_b(1, max_batch_size), plan_block_b(max_batch_size, max_batch_size)})
 
 
 def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, capacity: int, window: int,
                        max_q_len: int, multi_q: bool, num_sms: int, num_kv_heads: int, block_n: int,
-                       chunking: tuple | None = None, warmup: bool = False):
+                       max_batch_size: int, chunking: tuple | None = None, warmup: bool = False):
     """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32 -> ``schedule``'s buffers (a
     ``evenkv.planning.StreamSchedule``; see ``evenkv.kernels.plan``); errors [1] int32; window:
     sliding window W, 0 for none; max_q_len: the most query tokens of a row; multi_q: rows of
     several query tokens; chunking: deterministic mode's (min chunk tiles, max chunks, chunk
     capacity), or None.
 
-    The chunk is ``plan_block_b(B)``: batch sizes share a handful of compiled variants, each
-    built at start-up (``Attention.warmup``). Each program answers
+    The chunk is ``plan_block_b(B, max_batch_size)``: batch sizes share two compiled variants,
+    both built at start-up (``Attention.warmup``). Each program answers
     ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
     would pass PLAN_COMPARE_TILE elements."""
     s, num_ctas = schedule, schedule.num_ctas
-    block_b = plan_block_b(seq_lens.shape[0])
+    block_b = plan_block_b(seq_lens.shape[0], max_batch_size)
     block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
     min_chunk, max_chunks, chunk_capacity = chunking or (1, 1, 0)
     return launch_or_compile(
@@ -64,14 +71,15 @@ AUDIT_BLOCK_E = 256
 
 
 def launch_audit_pages(seq_lens, cu_seqlens, page_table, errors, num_pages: int, page_size: int, grid: int,
-                       window: int = 0, warmup: bool = False):
+                       max_batch_size: int, window: int = 0, warmup: bool = False):
     """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32/int64 (the batch's query rows), page_table
     [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors [1] int32 if a used entry (with a window
-    ``window`` > 0, of the keys its rows see) lies outside [0, num_pages) (see ``audit_pages_kernel``)."""
+    ``window`` > 0, of the keys its rows see) lies outside [0, num_pages) (see ``audit_pages_kernel``).
+    max_batch_size: the caller's largest batch (the chunk, as ``launch_plan_stream``'s)."""
     return launch_or_compile(
         audit_pages_kernel, (grid,), warmup,
         seq_lens, cu_seqlens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
-        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0]),
+        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size),
         BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
 
 

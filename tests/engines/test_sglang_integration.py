@@ -50,6 +50,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput  # noqa: E402
 from evenkv.integrations import sglang as plugin  # noqa: E402
 from evenkv.integrations.sglang_backend import EvenKVAttnBackend, LayerKind  # noqa: E402
 from evenkv import errors  # noqa: E402
+from evenkv.configs import is_interpreter  # noqa: E402
 from evenkv.kernels.reference import extend_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR, assert_close_to_reference  # noqa: E402
 
@@ -1064,6 +1065,45 @@ def test_target_verify_cuda_graph_sequence(lane, algorithm, topk):
     for layer, out in zip(world.layers, outs):
         check_against_slots(world, out[:n], q[:n], visible_slots(world, layer, reqs, cached, [q_len] * 3, masks),
                             layer)
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; on "
+                    "the GPU the serving benchmark counts real ones")
+def test_startup_compiles_what_every_step_launches(lane, recorder):
+    """The backend's start-up compiles each plan and audit kernel for SGLang's int64 lengths
+    only (its own verify and CUDA-graph length buffers are int64 too), one variant per batch
+    chunk; eager decode, extend and verify steps, verify graph replays and (without
+    speculation) decode graph replays then launch nothing it did not compile. The recorder runs nothing: only the launches count."""
+    import collections
+
+    from evenkv.kernels.plan_launch import plan_block_buckets
+
+    q_len = 3
+    world = speculative_world(1, lane, "NGRAM", q_len, max_reqs=8)  # NGRAM: tree-masked verify rows
+    backend = world.backend()
+    length_dtypes = {dict((p[0], p[1]) for p in key)["seq_lens_ptr"]
+                     for name, key, _ in recorder.compiled if name in ("plan_stream_kernel", "audit_pages_kernel")}
+    assert length_dtypes == {torch.int64}
+    compiled = collections.Counter(name for name, _, _ in recorder.compiled)
+    assert compiled["audit_pages_kernel"] == len(plan_block_buckets(backend.attentions[LayerKind()].max_batch_size))
+    reqs = [world.add_request(c) for c in (40, 9, 25)]
+    steps = [world.decode_batch(reqs, [30, 5, 20]), world.extend_batch(reqs, [10, 0, 4], [6, 9, 12]),
+             world.verify_batch(reqs, [30, 5, 20], q_len)]
+    for fb in steps:
+        backend.init_forward_metadata(fb)
+        tokens = fb.out_cache_loc.shape[0]
+        q = world.randn(tokens, world.hq * world.d)
+        k, v = world.randn(tokens, world.hkv, world.d), world.randn(tokens, world.hkv, world.d)
+        backend.forward(q, k, v, world.layers[0], fb)
+    driver = GraphDriver(world, backend, bs=4, q_len=q_len)
+    driver.capture()
+    driver.replay(reqs, [30, 5, 20])
+    plain = World(1, *lane, max_reqs=8)  # decode graphs: a server without speculation
+    driver = GraphDriver(plain, plain.backend(), bs=4)
+    driver.capture()
+    driver.replay([plain.add_request(c) for c in (40, 9)], [30, 5])
+    missing = {key for key in recorder.launched if key not in recorder.compiled}
+    assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
 
 
 def test_verify_backend_beside_torch_native_prefill(lane):
