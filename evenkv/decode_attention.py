@@ -20,7 +20,7 @@ import torch
 from evenkv.kernels import decode_launch as launch
 from evenkv.kernels import plan_launch
 from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
-from evenkv.kernels.launching import parallel_compiles
+from evenkv.kernels.launching import compiled_kernel, parallel_compiles
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
                      check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_head_dim,
@@ -160,16 +160,18 @@ class DecodeAttention:
         # Deterministic mode runs every batch on one variant (its config and grid set the
         # arithmetic), that of the longest rows.
         buckets = [q_len_bucket(self.max_q_len)] if deterministic else q_len_buckets(self.max_q_len)
-        for bucket in buckets:
-            config = self._bucket_config(bucket)
-            grid = num_ctas if num_ctas is not None else self._default_grid(config, self._query(bucket))
-            many = None
-            if bucket == 1 and self._kind == "stream" and not deterministic and self._forced_config is None and \
-                    num_ctas is None:
-                many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
-                if many_config is not None:
-                    many = (many_config, self._default_grid(many_config, self._query(1)))
-            self._variants[bucket] = (config, grid, many)
+        configs = [self._bucket_config(bucket) for bucket in buckets]
+        many_config = None
+        if buckets[0] == 1 and self._kind == "stream" and not deterministic and self._forced_config is None and \
+                num_ctas is None:
+            many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
+        probes = [(config, self._query(bucket)) for config, bucket in zip(configs, buckets)]
+        probes += [(many_config, self._query(1))] if many_config is not None else []
+        grids = [num_ctas] * len(probes) if num_ctas is not None else self._default_grids(probes)
+        for bucket, config, grid in zip(buckets, configs, grids):
+            self._variants[bucket] = (config, grid, None)
+        if many_config is not None:
+            self._variants[1] = (configs[0], grids[0], (many_config, grids[-1]))
         self.num_ctas = self._variants[buckets[0]][1]
         self._max_ctas = max(max(grid, many[1] if many else 0) for _, grid, many in self._variants.values())
         self._schedule = self._allocate_schedule()
@@ -250,12 +252,17 @@ class DecodeAttention:
         variant in deterministic mode."""
         return next(iter(self._variants)) if self.deterministic else q_len_bucket(q_len)
 
-    def _default_grid(self, config: DecodeConfig, query: launch.QueryRows) -> int:
-        """SMs x the resident CTAs per SM of ``config``'s decode kernel for ``query``'s rows."""
+    def _default_grids(self, variants: list[tuple[DecodeConfig, launch.QueryRows]]) -> list[int]:
+        """For each (config, rows) variant: SMs x the resident CTAs per SM of its decode kernel.
+        The kernels compile in parallel (start-up waits for the slowest, not for their sum);
+        the warm-up finds them built."""
         if not self._on_gpu:
-            return self.num_sms * INTERPRETER_CTAS_PER_SM
-        compiled = self._compile(config, self._dummy_inputs(), query)
-        return self.num_sms * min(launch.resident_ctas_per_sm(compiled, self.device), config.max_ctas_per_sm)
+            return [self.num_sms * INTERPRETER_CTAS_PER_SM] * len(variants)
+        t = self._dummy_inputs()
+        with parallel_compiles():
+            pending = [self._compile(config, t, query) for config, query in variants]
+        return [self.num_sms * min(launch.resident_ctas_per_sm(compiled_kernel(kernel), self.device),
+                                   config.max_ctas_per_sm) for kernel, (config, _) in zip(pending, variants)]
 
     def _dummy_inputs(self) -> dict:
         """Tensors shaped like a one-request batch (q [1, Hq, D], caches of one page)."""

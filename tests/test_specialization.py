@@ -141,3 +141,38 @@ def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engi
         attn.run(plan, q[:total], k_cache, v_cache, out=out[:total],
                  **{name: tensor[:total] for name, tensor in new.items()})
     _assert_covered(recorder)
+
+
+def test_grid_probes_compile_in_parallel(device, monkeypatch):
+    """On the GPU the constructor sizes each variant's persistent grid from its compiled decode
+    kernel (registers, shared memory). Those compiles run together, in one parallel-compile
+    block, and each grid comes from its own variant's kernel, also when a build is still in
+    flight (a future) when the block hands it back."""
+    from triton.runtime._async_compile import active_mode
+
+    from evenkv.kernels import decode_launch
+
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 4, max_q_len=4)
+    modes, built = [], []
+
+    class InFlight:
+        def __init__(self, ctas):
+            self.ctas = ctas
+
+        def result(self):
+            built.append(self.ctas)
+            return self
+
+    def compile_decode(config, t, query, merge=False):
+        modes.append(active_mode.get())
+        return InFlight(len(modes))  # variant i's kernel fits i CTAs per SM
+
+    monkeypatch.setattr(attn, "_on_gpu", True)
+    monkeypatch.setattr(attn, "_compile", compile_decode)
+    monkeypatch.setattr(decode_launch, "resident_ctas_per_sm", lambda kernel, dev: kernel.ctas)
+    variants = [(config, attn._query(bucket)) for bucket, (config, _, _) in attn._variants.items()]
+    assert len(variants) == 3  # q-length buckets 1, 2 and 4
+    grids = attn._default_grids(variants)
+    assert modes[0] is not None and all(mode is modes[0] for mode in modes)
+    assert built == [1, 2, 3]
+    assert grids == [attn.num_sms * min(i + 1, config.max_ctas_per_sm) for i, (config, _) in enumerate(variants)]

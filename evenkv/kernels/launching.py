@@ -26,6 +26,14 @@ def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
     return kernel[grid](*args, **kwargs)
 
 
+def compiled_kernel(kernel):
+    """What ``launch_or_compile(..., warmup=True)`` returned, as a compiled kernel: inside
+    ``parallel_compiles`` a build still in flight comes back as a future (Triton's
+    ``FutureKernel``), whose ``result()`` waits for it."""
+    result = getattr(kernel, "result", None)
+    return result() if callable(result) else kernel
+
+
 @contextlib.contextmanager
 def parallel_compiles(workers: int = 8):
     """Within the block, kernels compiled by ``launch_or_compile(..., warmup=True)`` build on
