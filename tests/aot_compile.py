@@ -12,7 +12,9 @@ e4m3 data], "fp32_ptrs": [fp32 pointer args], "fp32": [fp32 scalar args], "unali
 ``*_ptr`` argument is an int32 pointer, every other upper-case one a constexpr, the rest
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
-bytes of one CTA, whether the SASS has wgmma (HGMMA) and cp.async (LDGSTS), and the
+bytes of one CTA, whether the SASS has wgmma (HGMMA, or QGMMA on 8-bit operands) and cp.async
+(LDGSTS), the instructions of one trip of the tile loop (``mma_loop_instructions``, and by
+opcode ``mma_loop_ops``), and the
 local-memory traffic of the innermost loop whose body has an MMA (the tile loop; a spill
 outside it costs once per segment or once per CTA): ``mma_loop_spills``, the spill stores
 (STL) in it and the loads (LDL) of local slots it stores, i.e. loop state that goes
@@ -20,6 +22,7 @@ through local memory on every tile; ``mma_loop_reloads``, its loads of slots sto
 outside it, i.e. a loop-invariant value rematerialised from local memory (an L1 hit).
 """
 
+import collections
 import importlib
 import json
 import os
@@ -39,26 +42,43 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LOCAL_ACCESS = re.compile(r"\b(LDL|STL)\b[^\[]*\[([^\]]+)\]")
 
 
-def mma_loop_local_traffic(sass: str) -> tuple[int, int]:
-    """(spills, reloads) inside the innermost loops whose body has an HMMA or HGMMA (the
-    tile loop, not an outer loop around it): spills = STL there plus LDL there of a local
-    slot also stored there; reloads = LDL there of a slot stored only outside. A loop is
-    the address range [target, branch] of a backward branch (``BRA`` to a lower address)."""
-    code = [(int(addr, 16), text) for addr, text in SASS_LINE.findall(sass)]
+MMA = re.compile(r"\b[HQI]G?MMA\b")  # HMMA (mma.sync), HGMMA / QGMMA (16-bit / 8-bit wgmma), IMMA
+
+
+def innermost_mma_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """The innermost loops of SASS ``code`` [(address, instruction)] whose body has an MMA (the
+    tile loop, not an outer loop around it), as address ranges [target, branch] of backward
+    branches (``BRA`` to a lower address)."""
     loops = []
     for addr, text in code:
         jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if jump and int(jump.group(1), 16) < addr:
             loops.append((int(jump.group(1), 16), addr))
-    mma_loops = [(lo, hi) for lo, hi in loops
-                 if any(lo <= a <= hi and re.search(r"\bH(G)?MMA\b", t) for a, t in code)]
-    innermost = [(lo, hi) for lo, hi in mma_loops
-                 if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma_loops)]
+    mma_loops = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and MMA.search(t) for a, t in code)]
+    return [(lo, hi) for lo, hi in mma_loops
+            if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma_loops)]
+
+
+def mma_loop_local_traffic(sass: str) -> tuple[int, int]:
+    """(spills, reloads) inside the innermost MMA loops: spills = STL there plus LDL there of a
+    local slot also stored there; reloads = LDL there of a slot stored only outside."""
+    code = [(int(addr, 16), text) for addr, text in SASS_LINE.findall(sass)]
+    innermost = innermost_mma_loops(code)
     inside = [(m.group(1), m.group(2).replace(" ", "")) for a, t in code
               if any(lo <= a <= hi for lo, hi in innermost) for m in [LOCAL_ACCESS.search(t)] if m]
     stored_inside = {slot for op, slot in inside if op == "STL"}
     spills = sum(1 for op, slot in inside if op == "STL" or slot in stored_inside)
     return spills, len(inside) - spills
+
+
+def mma_loop_ops(sass: str) -> dict[str, int]:
+    """Instructions of the innermost MMA loops by opcode (predicates and modifiers dropped),
+    most frequent first: what one trip of the tile loop issues."""
+    code = [(int(addr, 16), text) for addr, text in SASS_LINE.findall(sass)]
+    innermost = innermost_mma_loops(code)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for a, t in code
+                              if any(lo <= a <= hi for lo, hi in innermost))
+    return dict(ops.most_common())
 
 
 def main():
@@ -88,9 +108,11 @@ def main():
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         field = lambda key: int(usage.split(key + ":")[1].split()[0])  # noqa: E731
         spills, reloads = mma_loop_local_traffic(sass)
+        ops = mma_loop_ops(sass)
         result.append(dict(regs=field("REG"), stack=field("STACK"), shared=compiled.metadata.shared,
-                           wgmma="HGMMA" in sass, cp_async="LDGSTS" in sass, mma_loop_spills=spills,
-                           mma_loop_reloads=reloads))
+                           wgmma=bool(re.search(r"\b[HQ]GMMA\b", sass)), cp_async="LDGSTS" in sass,
+                           mma_loop_spills=spills, mma_loop_reloads=reloads,
+                           mma_loop_instructions=sum(ops.values()), mma_loop_ops=ops))
     print(json.dumps(result))
 
 
