@@ -10,9 +10,11 @@ same cached prefix: prompts 512 / 2048 / 8192, prefixes 0 / 8192 / 32768, batche
 order of work matters (evenkv ``lpt`` vs ``ordered``).
 
 Implementations (``--impls``; a missing peer is skipped with the reason printed):
-  evenkv-engine                evenkv.Attention as the engines run it: extend rows on the
-                               engine's prefill kernel (vLLM's FA3 here) where one is found
-                               (``config`` says which), else on evenkv's Triton kernel
+  evenkv-engine                evenkv.Attention as vLLM runs it: extend rows on vLLM's FA3
+                               where it is found (``config`` says which), else on evenkv's
+                               Triton kernel
+  evenkv-engine-sglang         the same as SGLang runs it: on SGLang's FA3 (flash_attn_with_kvcache;
+                               with the SGLang device kit), else on evenkv's Triton kernel
   evenkv-lpt, evenkv-ordered   evenkv.extend's Triton kernel through a reused ExtendPlan (``ordered``
                                runs on skewed points only: on uniform ones it is the same launch)
   fa3                          vllm.vllm_flash_attn.flash_attn_varlen_func(..., block_table,
@@ -215,19 +217,26 @@ class EvenKV(Impl):
 
 
 class EvenKVEngine(Impl):
-    """evenkv.Attention planned once per batch, with vLLM's FlashAttention as its prefill kernel."""
+    """evenkv.Attention planned once per batch, with an engine's FA3 as its prefill kernel, as
+    that engine's adapter builds it: ``vllm`` (vLLM's flash_attn_varlen_func) or ``sglang``
+    (SGLang's flash_attn_with_kvcache); evenkv's Triton extend where the engine's FA3 is missing."""
 
-    family, variant = "evenkv", "engine"
+    family = "evenkv"
+
+    def __init__(self, engine: str = "vllm"):
+        self.engine = engine
+        self.variant = "engine" if engine == "vllm" else f"engine-{engine}"
 
     def prepare(self, batch):
         from evenkv.attention import Attention
-        from evenkv.integrations.prefill import vllm_flash_attention
+        from evenkv.integrations import prefill
 
+        kernel = {"vllm": prefill.vllm_flash_attention, "sglang": prefill.sglang_flash_attention}[self.engine]
         self.batch = b = batch
         hq, d = b.q.shape[1:]
         hkv = b.k_pages.shape[2]
         self.attn = Attention(hq, hkv, d, b.page_size, b.q.dtype, b.q.device, b.point.batch, b.page_table.shape[1],
-                              sm_scale=b.sm_scale, prefill_kernel=vllm_flash_attention(b.q.device))
+                              sm_scale=b.sm_scale, prefill_kernel=kernel(b.q.device))
         self.plan = self.attn.plan(b.cu_seqlens_q, b.seq_lens, b.page_table, num_decodes=0, max_q_len=b.max_q_len,
                                    max_seq_len=b.max_seq_len)
 
@@ -380,6 +389,8 @@ def make_impls(args, log):
         try:
             if name == "evenkv-engine":
                 impls.append(EvenKVEngine())
+            elif name == "evenkv-engine-sglang":
+                impls.append(EvenKVEngine("sglang"))
             elif name == "evenkv-lpt":
                 impls.append(EvenKV("lpt", arch=args.arch))
             elif name == "evenkv-ordered":

@@ -974,6 +974,20 @@ def test_prefill_cpu_smoke_checks_every_point(tmp_path):
     assert (tmp_path / "p.md").exists()
 
 
+def test_prefill_engine_paths_fall_back_to_the_triton_extend_without_an_engine_fa3(tmp_path):
+    """Both engines' prefill paths on a machine without their FA3 (the CPU): extend rows on
+    evenkv's Triton kernel, checked against the fp32 reference, and the config says so."""
+    out = tmp_path / "p.csv"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.prefill", "--out", str(out), "--cpu-smoke",
+                        "--impls", "evenkv-engine,evenkv-engine-sglang"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(open(out)))
+    assert {r["variant"] for r in rows} == {"engine", "engine-sglang"}
+    assert all(r["status"] == "ok" and "Triton" in r["config"] for r in rows), \
+        [(r["variant"], r["status"], r["config"]) for r in rows]
+
+
 def test_tune_decode_parses_config_names():
     from benchmarks import tune_decode
     cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
