@@ -103,8 +103,6 @@ class DecodeAttention:
             check_positive_int("num_ctas", num_ctas)
         check_positive_int("max_total_tokens", max_total_tokens)
         self.max_q_len = check_positive_int("max_q_len", max_q_len)
-        if max_q_len > MAX_DECODE_Q_LEN:
-            raise ValueError(f"max_q_len: expected 1 to {MAX_DECODE_Q_LEN} query tokens per row, got {max_q_len}")
         if not isinstance(tree_masks, bool):
             raise TypeError(f"tree_masks: expected bool, got {type(tree_masks).__name__}")
         if tree_masks and self.sliding_window is not None:
@@ -129,11 +127,7 @@ class DecodeAttention:
         self.max_batch_size, self.max_pages_per_request = max_batch_size, max_pages_per_request
         self.sm_scale = resolve_sm_scale(sm_scale, head_dim)
         self.arch = resolve_arch(arch, self.device)
-        rows, most = launch.tile_rows(self.group_size, max_q_len), max_tile_rows(self.arch, head_dim)
-        if max_q_len > 1 and rows > most:
-            raise ValueError(f"max_q_len: {max_q_len} query tokens x G={self.group_size} heads make {rows} tile rows, "
-                             f"past the {most} a head dim {head_dim} tile takes: use max_q_len <= "
-                             f"{max(1, most // self.group_size)}")
+        check_max_q_len(max_q_len, self.group_size, head_dim, self.arch)
         self._fp8 = self.kv_dtype in FP8_KV_DTYPES
         self._forced_config = config
         self.config = config if config is not None else decode_config(self.arch, head_dim, page_size, self._fp8)
@@ -514,6 +508,19 @@ class DecodeAttention:
         self._plans.check(plan, DecodePlan, self._plan)
 
 
+def check_max_q_len(max_q_len: int, group_size: int, head_dim: int, arch: str) -> None:
+    """Raise ValueError unless decode rows of up to ``max_q_len`` query tokens (1 + draft tokens)
+    fit the decode kernels: at most MAX_DECODE_Q_LEN, and G x max_q_len tile rows within what a
+    ``head_dim`` tile takes on ``arch`` (``configs.max_tile_rows``)."""
+    if max_q_len > MAX_DECODE_Q_LEN:
+        raise ValueError(f"max_q_len: expected 1 to {MAX_DECODE_Q_LEN} query tokens per row, got {max_q_len}")
+    rows, most = launch.tile_rows(group_size, max_q_len), max_tile_rows(arch, head_dim)
+    if max_q_len > 1 and rows > most:
+        raise ValueError(f"max_q_len: {max_q_len} query tokens x G={group_size} heads make {rows} tile rows, "
+                         f"past the {most} a head dim {head_dim} tile takes: use max_q_len <= "
+                         f"{max(1, most // group_size)}")
+
+
 def q_len_buckets(max_q_len: int) -> list[int]:
     """The q-length buckets of rows of up to max_q_len query tokens: 1 and the powers of two
     above it, up to max_q_len rounded up (each is one kernel variant)."""
@@ -576,4 +583,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
                     v_scale=v_scale)
 
 
-__all__ = ["DecodeAttention", "DecodePlan", "decode", "POLICIES", "MAX_DECODE_Q_LEN"]
+__all__ = ["DecodeAttention", "DecodePlan", "decode", "check_max_q_len", "POLICIES", "MAX_DECODE_Q_LEN"]

@@ -329,7 +329,8 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         verify, verify_reason = verify_q_len(vllm_config)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=verify > 1)
         from evenkv.attention import Attention  # lazy: the plugin's register() stays light
-        from evenkv.decode_attention import POLICIES
+        from evenkv.configs import resolve_arch
+        from evenkv.decode_attention import POLICIES, check_max_q_len
 
         model_config = vllm_config.model_config
         head_size = kv_cache_spec.head_size
@@ -346,25 +347,26 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         # vLLM allocates an FP8 cache as uint8 (the backend admits e4m3 only).
         fp8 = kv_cache_spec.dtype in (torch.uint8, torch.float8_e4m3fn)
         dtype = model_config.dtype if fp8 else kv_cache_spec.dtype  # a 16-bit cache is in the model dtype
-        prefill = vllm_flash_attention(device)
-        self.attentions = {}
-        for kind, impls in layer_kinds(vllm_config, layer_names).items():
+        if self.reorder_batch_threshold > 1:
+            # The speculative config is the one thing vLLM's selector does not validate.
             try:
-                attention = Attention(
-                    num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
-                    max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
-                    policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
-                    kv_dtype=torch.float8_e4m3fn if fp8 else None,
-                    prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
-                    deterministic=True if vllm_batch_invariant() else None,
-                    max_total_tokens=kv_pool_tokens(vllm_config), max_decode_q_len=self.reorder_batch_threshold)
+                check_max_q_len(self.reorder_batch_threshold, num_q_heads // kv_cache_spec.num_kv_heads, head_size,
+                                resolve_arch(None, torch.device(device)))
             except ValueError as err:
-                if self.reorder_batch_threshold == 1:
-                    raise
-                # The speculative config is the one thing vLLM's selector does not validate.
                 raise NotImplementedError(f"evenkv: {verify_reason}, which its decode kernels cannot take for "
                                           f"{num_q_heads} query heads per {kv_cache_spec.num_kv_heads} KV heads of "
                                           f"{head_size}: {err}; use fewer speculative tokens") from err
+        prefill = vllm_flash_attention(device)
+        self.attentions = {}
+        for kind, impls in layer_kinds(vllm_config, layer_names).items():
+            attention = Attention(
+                num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
+                max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+                policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
+                kv_dtype=torch.float8_e4m3fn if fp8 else None,
+                prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
+                deterministic=True if vllm_batch_invariant() else None,
+                max_total_tokens=kv_pool_tokens(vllm_config), max_decode_q_len=self.reorder_batch_threshold)
             self.attentions[kind] = attention
             for impl in impls.values():
                 if impl is not None:
