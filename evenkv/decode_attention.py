@@ -248,8 +248,7 @@ class DecodeAttention:
 
     def _default_grids(self, variants: list[tuple[DecodeConfig, launch.QueryRows]]) -> list[int]:
         """For each (config, rows) variant: SMs x the resident CTAs per SM of its decode kernel.
-        The kernels compile in parallel (start-up waits for the slowest, not for their sum);
-        the warm-up finds them built."""
+        The kernels compile in parallel: start-up waits for the slowest, not for their sum."""
         if not self._on_gpu:
             return [self.num_sms * INTERPRETER_CTAS_PER_SM] * len(variants)
         t = self._dummy_inputs()
