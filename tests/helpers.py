@@ -2,6 +2,7 @@
 ahead-of-time compiles for CUDA targets, the launch recorder (``Recorder``). The data builders and the rule itself live in
 ``evenkv.testing`` (the benchmarks and the demo use them too)."""
 
+import contextlib
 import inspect
 import json
 import math
@@ -130,3 +131,22 @@ class Recorder:
     def __call__(self, kernel, grid, warmup, *args, **kwargs):
         key = specialization_key(kernel, args, kwargs)
         (self.compiled.add(key) if warmup else self.launched.append(key))
+
+
+@contextlib.asynccontextmanager
+async def local_http_server(routes: dict):
+    """An aiohttp server on 127.0.0.1 and a free port answering POST ``routes`` {path: handler};
+    yields its base URL and stops it on exit."""
+    from aiohttp import web
+
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import openai_server as oa  # noqa: E402
+from helpers import local_http_server  # noqa: E402
 
 
 def _chunk(kind, piece=None, finish=None, usage=None, role=None):
@@ -102,18 +103,8 @@ def test_client_against_a_local_fake_server():
             in_flight[0] -= 1
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", answer)
-        app.router.add_post("/v1/chat/completions", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            return await oa.send_load(f"http://127.0.0.1:{port}", ["A prompt", "B prompt", "C prompt"], 40, 6, 3)
-        finally:
-            await runner.cleanup()
+        async with local_http_server({"/v1/completions": answer, "/v1/chat/completions": answer}) as url:
+            return await oa.send_load(url, ["A prompt", "B prompt", "C prompt"], 40, 6, 3)
 
     report = asyncio.run(main())
     assert len(report.answers) == 40 and 2 <= in_flight[1] <= 6

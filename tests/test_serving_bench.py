@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import serving
 from benchmarks.serving import RequestTiming, Workload
+from helpers import local_http_server
 
 
 @pytest.mark.parametrize("size", ["quick", "full"])
@@ -119,18 +120,9 @@ def test_http_client_against_a_local_fake_server():
         return resp
 
     async def main():
-        app = aiohttp_web.Application()
-        app.router.add_post("/generate", generate)
-        runner = aiohttp_web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp_web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
         w = Workload("t", [4, 6, 5], [3, 5, 1], [0.0, 0.0, 0.01])  # the third joins while the others stream
-        try:
-            return await serving.http_serve(f"http://127.0.0.1:{port}", w, [[7] * 4, [8] * 6, [9] * 5])
-        finally:
-            await runner.cleanup()
+        async with local_http_server({"/generate": generate}) as url:
+            return await serving.http_serve(url, w, [[7] * 4, [8] * 6, [9] * 5])
 
     row = asyncio.run(main())
     assert row["status"] == "ok" and row["output_tokens"] == 9 and row["requests"] == 3

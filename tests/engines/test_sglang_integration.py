@@ -207,6 +207,11 @@ class World:
     def randn(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=self.dev_gen, device=self.device).to(self.dtype)
 
+    def qkv(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random q [tokens, Hq * D], k and v [tokens, Hkv, D], as a layer's forward takes them."""
+        return (self.randn(tokens, self.hq * self.d), self.randn(tokens, self.hkv, self.d),
+                self.randn(tokens, self.hkv, self.d))
+
     def decode_batch(self, reqs, cached, *, with_cpu_lens=True) -> ForwardBatch:
         """One decode step: request reqs[b] has cached[b] tokens; its new token goes at that position."""
         seq = torch.tensor([c + 1 for c in cached], dtype=torch.int64)
@@ -523,8 +528,7 @@ def test_extend_matches_reference(lane, page_size):
     backend.init_forward_metadata(fb)
     t = sum(new)
     for layer in world.layers:
-        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
-                                                                                                        world.d)
+        q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb)
         k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
         assert torch.equal(k_cache[fb.out_cache_loc], k)
@@ -549,8 +553,7 @@ def test_layer_kinds_decode_and_extend(lane, layer_kw, sinks):
     t = sum(new)
     for layer in world.layers:
         sink = torch.randn(world.hq, device=world.device) if sinks else None
-        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
-                                                                                                        world.d)
+        q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb, sinks=sink)
         check_extend(world, out, q, fb, layer.layer_id, sink)
     cached = [p + n for p, n in zip(prefix, new)]
@@ -860,8 +863,7 @@ def test_hybrid_pool_extend_then_decode(lane, page_size):
     backend.init_forward_metadata(fb)
     t = sum(new)
     for layer in world.layers:
-        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
-                                                                                                        world.d)
+        q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb)
         k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
         written = torch.cat([torch.tensor(world.layer_slots(r, layer.layer_id, range(p, p + n)))
@@ -983,8 +985,7 @@ def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer
     t = len(reqs) * q_len
     for layer in world.layers:
         sink = torch.randn(world.hq, device=world.device) if sinks else None
-        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
-                                                                                                        world.d)
+        q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb, sinks=sink)
         k_cache = world.kv_pool.get_key_buffer(layer.layer_id)
         assert torch.equal(k_cache[fb.out_cache_loc], k)
@@ -1007,8 +1008,7 @@ def test_target_verify_on_the_hybrid_pool(lane):
     backend.init_forward_metadata(fb)
     t = len(reqs) * q_len
     for layer in world.layers:
-        q, k, v = world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d), world.randn(t, world.hkv,
-                                                                                                        world.d)
+        q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb)
         check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [q_len] * 3), layer)
 
@@ -1091,10 +1091,7 @@ def test_startup_compiles_what_every_step_launches(lane, recorder):
              world.verify_batch(reqs, [30, 5, 20], q_len)]
     for fb in steps:
         backend.init_forward_metadata(fb)
-        tokens = fb.out_cache_loc.shape[0]
-        q = world.randn(tokens, world.hq * world.d)
-        k, v = world.randn(tokens, world.hkv, world.d), world.randn(tokens, world.hkv, world.d)
-        backend.forward(q, k, v, world.layers[0], fb)
+        backend.forward(*world.qkv(fb.out_cache_loc.shape[0]), world.layers[0], fb)
     driver = GraphDriver(world, backend, bs=4, q_len=q_len)
     driver.capture()
     driver.replay(reqs, [30, 5, 20])
@@ -1187,8 +1184,7 @@ def test_decode_backend_beside_torch_native_prefill(lane):
     assert decode.forward_metadata is None, "extend must not reach the decode backend"
     layer = world.layers[0]
     t = sum(new)
-    hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
-                   world.randn(t, world.hkv, world.d), layer, fb)
+    hybrid.forward(*world.qkv(t), layer, fb)
 
     fb = world.decode_batch(reqs, [p + n for p, n in zip(prefix, new)])
     hybrid.init_forward_metadata(fb)
@@ -1347,8 +1343,7 @@ def test_prefill_backend_beside_torch_native_decode(lane):
     assert meta is not None and not meta.decode_rows and meta.num_tokens == sum(new)
     layer = world.layers[0]
     t = sum(new)
-    out = hybrid.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
-                         world.randn(t, world.hkv, world.d), layer, fb)
+    out = hybrid.forward(*world.qkv(t), layer, fb)
     assert out.shape == (t, world.hq * world.d) and torch.isfinite(out).all()
 
 
@@ -1381,8 +1376,7 @@ def test_deterministic_inference(lane):
     fb = world.extend_batch(reqs, prefix, new)
     backend.init_forward_metadata(fb)
     t = sum(new)
-    out = backend.forward(world.randn(t, world.hq * world.d), world.randn(t, world.hkv, world.d),
-                          world.randn(t, world.hkv, world.d), world.layers[0], fb)
+    out = backend.forward(*world.qkv(t), world.layers[0], fb)
     assert torch.isfinite(out).all()
 
 
