@@ -174,6 +174,7 @@ class DecodeAttention:
             many[1] for _, _, many in self._variants.values() if many}
         self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
                                 for c in grids} if self._kind == "stream" else {}
+        self._merge_units_grid = self.num_sms * launch.MERGE_UNITS_CTAS_PER_SM
         slots = self._partial_slots()
         self._o_part = torch.empty(slots * self._slot_rows * head_dim, dtype=torch.float32, device=self.device)
         self._lse_part = torch.empty(slots * self._slot_rows, dtype=torch.float32, device=self.device)
@@ -200,14 +201,14 @@ class DecodeAttention:
             return StreamSchedule(torch.zeros(b, ACTIVE_REQ_FIELDS.value, **i32), torch.zeros(self._max_ctas, 4, **i32),
                                   torch.zeros(self._max_ctas + 1, **i32), torch.zeros(PLAN_SCALARS, **i32),
                                   torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(b, **i32),
-                                  torch.zeros(1, **i32), self.num_ctas)
+                                  torch.zeros(2, **i32), self.num_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms)
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
                                 torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32),
-                                torch.zeros(b + 1, **i32), torch.zeros(1, **i32), self.num_ctas)
+                                torch.zeros(b + 1, **i32), torch.zeros(2, **i32), self.num_ctas)
         return None
 
     def _partial_slots(self) -> int:
@@ -222,11 +223,19 @@ class DecodeAttention:
             return self._schedule.unit_req.shape[0] * self.num_kv_heads
         return 0
 
-    def _chunking(self, config: DecodeConfig | None = None) -> tuple[int, int, int]:
-        """Deterministic mode's (min chunk tiles, most chunks of a request, chunk capacity)."""
+    def _chunking(self, config: DecodeConfig | None = None) -> tuple[int, int, int, int]:
+        """Deterministic mode's (min chunk tiles, most chunks of a request, chunk capacity, most
+        chunks the merge takes whole)."""
         block_n = (config or self.config).block_n
         return (-(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n), DETERMINISTIC_MAX_SPLITS,
-                deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens))
+                deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens), self._whole_merge_splits)
+
+    @property
+    def _whole_merge_splits(self) -> int:
+        """The most splits (chunks) of a request that ``merge_units_kernel`` merges in items of
+        all its rows; the planners list requests of more apart."""
+        return launch.merge_units_constants(self.num_kv_heads, self.group_size, self.head_dim,
+                                            self._query(1))["WHOLE_P"]
 
     def _use_pdl(self, config: DecodeConfig) -> bool:
         return config.programmatic_launch and self._pdl_capable
@@ -283,7 +292,7 @@ class DecodeAttention:
             schedule = StreamSchedule(*[lens] * 8, num_ctas=1)
             if merge and self.deterministic:
                 launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
-                                          query, self.num_kv_heads, 1, warmup=True)
+                                          query, self.num_kv_heads, 1, 0, pdl, warmup=True)
             elif merge:
                 launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self.num_kv_heads,
                                            config, pdl, warmup=True)
@@ -292,7 +301,7 @@ class DecodeAttention:
                                                self.page_size, config, pdl, self.deterministic, warmup=True)
         if merge and self._kind == "units":
             launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
-                                      query, self.num_kv_heads, 1, warmup=True)
+                                      query, self.num_kv_heads, 1, 0, warmup=True)
         return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens, lens,
                                           lens, t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32),
                                           self._errors, terms, query, 1, self._kind == "units", self.page_size, config,
@@ -406,7 +415,8 @@ class DecodeAttention:
             if self._kind == "units":
                 # The units are split by the tiles each row reads (a window's, ``row_window``).
                 plan_fa3_units(visible_keys(plan_seq_lens, q_lens, self.sliding_window), self._schedule,
-                               block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms)
+                               block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms,
+                               whole_splits=self._whole_merge_splits)
         query = self._query(bucket, tree)
         self._plan = self._plans.add(DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
                                                 tree_mask if tree else self._no_tree, query, q_len))
@@ -476,14 +486,14 @@ class DecodeAttention:
         s, query, cu, tree = plan.schedule, plan.query, plan.cu_seqlens_q, plan.tree_mask
         errors = self._errors
         if self._kind == "stream":
-            pdl = self._use_pdl(plan.config) and not self.deterministic
+            pdl = self._use_pdl(plan.config)
             launch.launch_decode_stream(q, k_cache, v_cache, out, self._o_part, self._lse_part, self._merge_counters,
                                         plan.seq_lens, cu, tree, plan.page_table, s, errors, terms, query,
                                         self.page_size, plan.config, pdl, self.deterministic)
             if self.deterministic:
                 launch.launch_merge_units(self._o_part, self._lse_part, out, plan.seq_lens, cu, s.req_chunks,
                                           s.req_chunk_base, s.merge_list, s.merge_count, terms.sinks, query, hkv,
-                                          s.num_ctas)
+                                          self._merge_units_grid, self.max_batch_size - 1, pdl)
             else:
                 launch.launch_merge_stream(self._o_part, self._lse_part, out, s, terms, query, hkv, plan.config, pdl)
         elif self._kind == "units":
@@ -493,7 +503,7 @@ class DecodeAttention:
                                        s.num_ctas, True, self.page_size, plan.config)
             launch.launch_merge_units(self._o_part, self._lse_part, out, plan.seq_lens, cu, s.req_splits,
                                       s.req_split_base, s.merge_list, s.merge_count, terms.sinks, query, hkv,
-                                      s.num_ctas)
+                                      self._merge_units_grid, self.max_batch_size - 1)
         else:
             # One program per (request, head): the unit-queue arguments are unused, pass any int32 tensor.
             lens = plan.seq_lens

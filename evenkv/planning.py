@@ -21,7 +21,9 @@ Policies (docs/design.md, "Decode policies"):
   a segment of several is stored from a fresh accumulator and the chunks are merged in a
   fixed order, so a request's output is bitwise the same whatever else shares the batch,
   while the walk keeps the balanced policy's single pipelined loop (a 256K-token request is
-  128 chunks per KV head, so it still fills the GPU). The partial workspace holds
+  512 chunks per KV head, so it still fills the GPU in pieces much shorter than a CTA's). The
+  chunks are merged by ``decode.merge_units_kernel``, whose two item classes the plan lists
+  apart (requests of a few chunks, and of more). The partial workspace holds
   ``deterministic_chunk_capacity`` chunks, sized from the most tokens a batch can hold.
 
 Every planner works on device tensors only (no ``.item()``, no host sync) and writes
@@ -46,10 +48,13 @@ from .errors import error_flag
 FA3_SLACK_NUM, FA3_SLACK_DEN = 11, 10
 FA3_MAX_SPLITS = 128
 # Batch-invariant chunks: of at least DETERMINISTIC_MIN_CHUNK_TOKENS, at most
-# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer chunks): enough chunks
-# for one request to fill an H200's persistent grid, few enough that each is a few tiles.
+# DETERMINISTIC_MAX_SPLITS per request (longer requests get longer chunks). A CTA's range
+# moves up to a chunk boundary, so a chunk much shorter than a CTA's piece keeps the grid
+# balanced (up to 1M tokens a chunk is at most a quarter of an H200 CTA's piece); a chunk of
+# at least a few tiles keeps the partials and their merge small (docs/tuning.md "Decode,
+# deterministic mode").
 DETERMINISTIC_MIN_CHUNK_TOKENS = 512
-DETERMINISTIC_MAX_SPLITS = 128
+DETERMINISTIC_MAX_SPLITS = 512
 
 
 # plan_scalars of the balanced plan: piece, total, active requests, the most tiles of one
@@ -69,8 +74,8 @@ class StreamSchedule:
     [PLAN_SCALARS] int32 (piece, total, active count, the most tiles of one segment: a sliding
     window counts its own; the end of the last query row). Deterministic mode's merge lists
     (``decode.merge_units_kernel``): req_chunks, req_chunk_base [B] int32 (a request's chunks
-    and its first chunk's index), merge_list [B] int32 and merge_count [1] int32 (the
-    requests of several chunks)."""
+    and its first chunk's index), merge_list [B] int32 and merge_count [2] int32 (the
+    requests of several chunks, in ``merge_units_kernel``'s two classes)."""
 
     active_req: torch.Tensor
     cta_start: torch.Tensor
@@ -88,9 +93,10 @@ class UnitSchedule:
     """``fa3`` plan. Units j < num_units / Hkv in execution order: request unit_req[j],
     split unit_split[j] ([U] int32 each). Per request ([B] int32): req_splits,
     req_tiles_per_split, req_split_base (index of its first split among all splits).
-    num_units [1] int32 = Hkv * total splits; merge_list [B + 1] int32: the requests of more
-    than one split (merge_count [1] int32 of them; entry B is scratch); num_ctas: the
-    persistent grid."""
+    num_units [1] int32 = Hkv * total splits; merge_list [B + 1] int32 and merge_count [2]
+    int32: the requests of more than one split in ``merge_units_kernel``'s two classes (at most
+    ``whole_splits`` splits from the front, more from entry B - 1 down; entry B is scratch);
+    num_ctas: the persistent grid."""
 
     unit_req: torch.Tensor
     unit_split: torch.Tensor
@@ -160,15 +166,16 @@ def fa3_unit_capacity(max_batch_size: int, num_sms: int) -> int:
 
 
 def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int, num_kv_heads: int,
-                   num_sms: int, max_splits: int = FA3_MAX_SPLITS) -> None:
+                   num_sms: int, whole_splits: int, max_splits: int = FA3_MAX_SPLITS) -> None:
     """Fill ``sched`` (buffers sized for max batch) from clamped ``seq_lens [B] int32``
-    with FA3's dynamic split (depends on the batch's total work)."""
+    with FA3's dynamic split (depends on the batch's total work); whole_splits: the most splits
+    ``merge_units_kernel`` merges in items of all rows."""
     tiles = (seq_lens + (block_n - 1)) // block_n
     total = tiles.sum(dtype=torch.int64)
     per_sm = FA3_SLACK_DEN * num_sms
     blocks_per_sm = torch.clamp((total * (FA3_SLACK_NUM * num_kv_heads) + per_sm - 1) // per_sm, min=1)
     splits = torch.clamp((tiles + blocks_per_sm - 1) // blocks_per_sm, 1, max_splits)
-    _fill_units(tiles, splits, sched, num_kv_heads)
+    _fill_units(tiles, splits, sched, num_kv_heads, whole_splits)
 
 
 def deterministic_chunk_capacity(max_batch_size: int, max_total_tokens: int) -> int:
@@ -177,7 +184,8 @@ def deterministic_chunk_capacity(max_batch_size: int, max_total_tokens: int) -> 
     return max_batch_size + -(-max_total_tokens // DETERMINISTIC_MIN_CHUNK_TOKENS)
 
 
-def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, num_kv_heads: int) -> None:
+def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, num_kv_heads: int,
+                whole_splits: int) -> None:
     """Write the unit list for per-request split counts ``splits`` ([B], >= 1).
 
     Splits are re-derived from tiles_per_split so that none is empty; an empty request
@@ -193,13 +201,16 @@ def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, 
     sched.req_splits[:batch].copy_(splits)
     sched.req_tiles_per_split[:batch].copy_(tiles_per_split)
     sched.req_split_base[:batch].index_copy_(0, order, split_begin)
-    # The requests the merge kernel visits, compacted in request order (the others write to
-    # scratch entry B, which is never read).
-    multi = splits > 1
-    rank = torch.cumsum(multi, 0, dtype=torch.int32) - 1
-    where = torch.where(multi, rank, batch).to(torch.int64)
-    sched.merge_list.scatter_(0, where, torch.arange(batch, device=tiles.device, dtype=torch.int32))
-    sched.merge_count.copy_(multi.sum(dtype=torch.int32).reshape(1))
+    # The requests the merge kernel visits, compacted in request order: those merged whole
+    # from the front, the others from the last entry before the scratch one down (the
+    # requests of one split write to the scratch entry, which is never read).
+    scratch = sched.merge_list.shape[0] - 1
+    whole = (splits > 1) & (splits <= whole_splits)
+    by_rows = splits > max(whole_splits, 1)
+    where = torch.where(whole, torch.cumsum(whole, 0, dtype=torch.int32) - 1, scratch)
+    where = torch.where(by_rows, scratch - torch.cumsum(by_rows, 0, dtype=torch.int32), where)
+    sched.merge_list.scatter_(0, where.to(torch.int64), torch.arange(batch, device=tiles.device, dtype=torch.int32))
+    sched.merge_count.copy_(torch.stack([whole.sum(dtype=torch.int32), by_rows.sum(dtype=torch.int32)]))
     j = torch.arange(sched.unit_req.shape[0], device=tiles.device, dtype=torch.int32)
     rank = torch.searchsorted(split_end, j, right=True).clamp_(max=batch - 1)
     sched.unit_req.copy_(order[rank])

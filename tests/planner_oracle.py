@@ -32,13 +32,13 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, cu_seqlens_
                 chunking=None):
     """-> dict(seq_lens, req_cost_start [B+1], active_req [K], cta_start [C, 4], cta_pos [C + 1], piece,
     total, max_tiles, q_start [B], q_len [B], rows_end, malformed, tiles [B]; with chunking: chunk,
-    chunks, chunk_base [B], merge_list, overflow).
+    chunks, chunk_base [B], merge_whole, merge_by_rows, overflow).
 
     cta_start[c] = (k, b, seq_lens[b], req_cost_start[b]) for b = active_req[k], the first
     request whose cost range ends after cta_pos[c] = c * piece; (K, B, 0, total) past the end.
     Verify rows (cu_seqlens_q given) cost the tiles of the keys their tokens see together: all
     of them, or under a window W the last W + q_len - 1; none when q_len is 0. chunking
-    (deterministic mode): (min chunk tiles, max chunks, chunk capacity); each CTA start moves up
+    (deterministic mode): (min chunk tiles, max chunks, chunk capacity, most chunks merged whole); each CTA start moves up
     to its segment's next chunk boundary (its end at most)."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     q_start, q_len, malformed = query_rows(cu_seqlens_q, lens, max_q_len)
@@ -57,8 +57,9 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, cu_seqlens_
                 malformed=malformed, tiles=tiles, multi_q=cu_seqlens_q is not None, chunked=chunking is not None)
     starts = np.minimum(starts, total)
     if chunking is not None:
-        chunk, count, base, overflow = chunks(tiles, *chunking)
-        plan.update(chunk=chunk, chunks=count, chunk_base=base, merge_list=np.flatnonzero(count > 1),
+        *chunk_rule, whole_chunks = chunking
+        chunk, count, base, overflow = chunks(tiles, *chunk_rule)
+        plan.update(chunk=chunk, chunks=count, chunk_base=base, **merge_lists(count, whole_chunks),
                     overflow=overflow)
         for c, s in enumerate(starts):
             b = int(np.sum(end <= s))
@@ -97,6 +98,14 @@ def chunks(tiles, min_chunk, max_chunks, capacity):
         chunk = np.maximum(chunk, -(-int(tiles.sum()) // max(capacity - len(tiles), 1)))
     count = cdiv(tiles, chunk)
     return chunk, count, np.cumsum(count) - count, overflow
+
+
+def merge_lists(splits, whole_splits):
+    """The requests ``merge_units_kernel`` merges, in request order: merge_whole (2 ..
+    whole_splits splits) and merge_by_rows (more)."""
+    splits = np.asarray(splits)
+    return dict(merge_whole=np.flatnonzero((splits > 1) & (splits <= whole_splits)),
+                merge_by_rows=np.flatnonzero(splits > max(whole_splits, 1)))
 
 
 def _unit_plan(tiles, splits, num_kv_heads):

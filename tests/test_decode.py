@@ -176,13 +176,18 @@ def test_lse_merge_of_key_splits_equals_full_attention():
     torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
 
 
-def test_units_merge_rows_and_columns(device):
-    """The units merge kernel (one program per query row): G = 7 and head_dim 80 (BLOCK_D
-    128, masked columns), a long request cut into many pieces."""
+@pytest.mark.parametrize("policy,lens,classes", [("fa3", [600, 5, 33], [1, 0]),
+                                                  ("deterministic", [5000, 1500, 33], [1, 1])])
+def test_units_merge_item_classes(device, policy, lens, classes):
+    """merge_units_kernel's two item classes: a request of 2 .. WHOLE_P splits merged in items
+    of all its rows and 64 columns, one of more (5000 tokens: 10 deterministic chunks) in
+    (row, 32 columns) items. G = 7 and head_dim 80 mask rows and columns (BLOCK_D 128)."""
     dtype = torch.float16
-    attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 40, "fa3", num_ctas=6)
-    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch([600, 5, 33], 7, 1, 80, 16, dtype, device)
+    attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 400, "fa3" if policy == "fa3" else "balanced",
+                                  num_ctas=6, deterministic=policy == "deterministic")
+    q, k_cache, v_cache, seq_lens, page_table = make_paged_batch(lens, 7, 1, 80, 16, dtype, device)
     plan = attn.plan(seq_lens, page_table)
+    assert plan.schedule.merge_count.tolist() == classes
     assert_close_to_reference(attn.run(plan, q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
 
 
@@ -312,8 +317,8 @@ def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_f
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None):
     """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
     resident CTAs per SM with no local memory in its tile loop, and the merge kernels spill nothing."""
-    from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, QueryRows, merge_stream_constants,
-                                              merge_units_constants, stream_constants)
+    from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, MERGE_UNITS_NUM_WARPS, QueryRows,
+                                              merge_stream_constants, merge_units_constants, stream_constants)
     query = query or QueryRows(1, group)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
@@ -339,14 +344,15 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
         assert stream["mma_loop_reloads"] <= GUARD_RELOADS, f"local-memory reloads in the tile loop: {stream}"
     if starved_check:
         assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
-    merge_options = dict(num_warps=MERGE_NUM_WARPS)
-    for name, consts in [
+    for name, consts, warps in [
             ("merge_stream_kernel",
-             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, query, layer_terms)),
+             merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, query, layer_terms),
+             MERGE_NUM_WARPS),
             ("merge_units_kernel", dict(merge_units_constants(num_kv_heads, group, head_dim, query),
-                                        HAS_SINKS=layer_terms))]:
+                                        HAS_SINKS=layer_terms, USE_PDL=cfg.programmatic_launch),
+             MERGE_UNITS_NUM_WARPS)]:
         (r,) = aot_compile(dict(common, kernel=f"evenkv.kernels.decode:{name}",
-                                variants=[dict(cap=cap, consts=consts, options=merge_options)]))
+                                variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
         # A verify row's stream merge with sinks keeps one 8-byte value on the stack (its
         # all-rows step is [2, 16, 128] at G = 8, q_len 2); it runs once per segment, not per tile.
         allowed = 8 if (query.multi_q and layer_terms and name == "merge_stream_kernel") else 0
@@ -388,9 +394,11 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
 
 PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8, MULTI_Q=False,
-                                                    DETERMINISTIC=False, MIN_CHUNK_TILES=1, MAX_CHUNKS=1), 8),
+                                                    DETERMINISTIC=False, MIN_CHUNK_TILES=1, MAX_CHUNKS=1,
+                                                    WHOLE_CHUNKS=0), 8),
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8, MULTI_Q=True,
-                                                    DETERMINISTIC=True, MIN_CHUNK_TILES=8, MAX_CHUNKS=128), 8),
+                                                    DETERMINISTIC=True, MIN_CHUNK_TILES=8, MAX_CHUNKS=512,
+                                                    WHOLE_CHUNKS=8), 8),
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
     ("evenkv.kernels.plan:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
     ("evenkv.kernels.kv_write:kv_write_kernel",

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import evenkv
 from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants
-from planner_oracle import (chunks, fa3_plan, simulate_stream, stream_fused_merges, stream_merge_reads,
+from planner_oracle import (chunks, fa3_plan, merge_lists, simulate_stream, stream_fused_merges, stream_merge_reads,
                             stream_merge_shares, stream_plan)
 
 BLOCK_N = evenkv.decode_config("sm90", 128, 16).block_n
@@ -58,8 +58,7 @@ def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=
         np.testing.assert_array_equal(active[:, 5], want["chunk_base"][want["active_req"]])
         np.testing.assert_array_equal(s.req_chunks[:len(lens)].cpu().numpy(), want["chunks"])
         np.testing.assert_array_equal(s.req_chunk_base[:len(lens)].cpu().numpy(), want["chunk_base"])
-        count = int(s.merge_count)
-        np.testing.assert_array_equal(s.merge_list[:count].cpu().numpy(), want["merge_list"])
+        _check_merge_lists(s, want, attn.max_batch_size - 1)
         assert (evenkv.errors.INVARIANCE_LOST in _flag_bits(device)) == want["overflow"]
     malformed = bool(want["malformed"].any())
     assert (evenkv.errors.QUERY_OUT_OF_RANGE in _flag_bits(device)) == malformed
@@ -219,6 +218,14 @@ def test_plain_decode_rows_of_several_tokens_are_flagged(device):
     evenkv.errors.error_flag(device).zero_()
 
 
+def _check_merge_lists(schedule, want, list_last):
+    """merge_units_kernel's two lists: whole from the front, by rows from entry list_last down."""
+    whole, by_rows = schedule.merge_count.tolist()
+    merge_list = schedule.merge_list.cpu().numpy()
+    np.testing.assert_array_equal(merge_list[:whole], want["merge_whole"])
+    np.testing.assert_array_equal(merge_list[list_last - np.arange(by_rows)], want["merge_by_rows"])
+
+
 def _check_fa3(device, lens, num_kv_heads):
     attn = evenkv.DecodeAttention(num_kv_heads * 2, num_kv_heads, 128, 16, torch.float16, device, max(len(lens), 1),
                                   64, "fa3", num_ctas=8)
@@ -236,6 +243,7 @@ def _check_fa3(device, lens, num_kv_heads):
     np.testing.assert_array_equal(s.unit_req[:n].cpu().numpy(), want["unit_req"])
     np.testing.assert_array_equal(s.unit_split[:n].cpu().numpy(), want["unit_split"])
     assert s.num_units.item() == want["num_units"]
+    _check_merge_lists(s, merge_lists(want["req_splits"], attn._whole_merge_splits), attn.max_batch_size - 1)
     # Splits cover each request's tiles exactly, none empty.
     for r, k in zip(want["unit_req"], want["unit_split"]):
         tiles = -(-min(max(lens[r], 0), 1024) // attn.config.block_n)

@@ -799,29 +799,53 @@ def decode_units_kernel(
             tl.atomic_xchg(queue_ptr + 1, 0)
 
 
-@triton.jit(do_not_specialize=["max_q_len", "total_q"])
+@triton.jit(do_not_specialize=["list_last", "max_q_len", "total_q"])
 def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, cu_seqlens_ptr, req_splits_ptr, req_split_base_ptr,
-    merge_list_ptr, merge_count_ptr, sinks_ptr, stride_ob, stride_oh, max_q_len, total_q,
+    merge_list_ptr, merge_count_ptr, sinks_ptr, stride_ob, stride_oh, list_last, max_q_len, total_q,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr,
-    MULTI_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+    CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Persistent grid: merge the splits of the requests that have more than one, listed in
-    ``merge_list`` ([>= merge_count] int32). Item i is row i % SLOT_ROWS of KV head (i //
-    SLOT_ROWS) % Hkv of request merge_list[i // (SLOT_ROWS * Hkv)] (rows past the request's
-    own are skipped); split k of (b, h) is at slot (req_split_base[b] + k) * Hkv + h. A
-    batch whose requests all have one split launches programs that find no item."""
-    items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * SLOT_ROWS)
+    """Persistent grid of small programs: merge the splits of the requests that have more than
+    one. Split k of (request b, KV head h) is at partial slot (req_split_base[b] + k) * Hkv + h.
+    The planner lists the requests in two classes (``merge_list`` [>= list_last + 1] int32,
+    ``merge_count`` [2] int32):
+
+    * requests of 2 .. WHOLE_P splits (``merge_list[0 : merge_count[0]]``): an item is one row
+      of a (request, head), all its columns, in one [WHOLE_P, 1, BLOCK_D] step;
+    * requests of more (``merge_list[list_last - i]`` for i < merge_count[1]): an item is one
+      row and CHUNK_D columns, in cdiv(splits, CHUNK_P) [CHUNK_P, 1, CHUNK_D] steps.
+
+    An item is a short chain of dependent loads (the request, its split range, the partials),
+    so the merge's time is the number of items over the items in flight: the programs are
+    small (one warp, ``decode_launch.MERGE_UNITS_NUM_WARPS``) so that many are resident. The
+    order of every reduction is fixed by the splits, never by the item's program. USE_PDL
+    (programmatic dependent launch, sm90): the grid is launched while the decode kernel runs
+    and waits (``gdc_wait``) for it before it reads a partial. Rows past the request's own are
+    skipped; a batch whose requests all have one split launches programs that find no item."""
+    whole_items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * SLOT_ROWS)
+    items = whole_items + tl.load(merge_count_ptr + 1) * (NUM_KV_HEADS * SLOT_ROWS * D_CHUNKS)
+    if USE_PDL:
+        gdc_wait()
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        b = tl.load(merge_list_ptr + item // (NUM_KV_HEADS * SLOT_ROWS))
-        h = (item // SLOT_ROWS) % NUM_KV_HEADS
-        row = item % SLOT_ROWS
+        chunk_item = item - whole_items
+        is_whole = chunk_item < 0
+        seg_row = tl.where(is_whole, item, chunk_item // D_CHUNKS)
+        seg = seg_row // SLOT_ROWS
+        row = seg_row % SLOT_ROWS
+        b = tl.load(merge_list_ptr + tl.where(is_whole, seg // NUM_KV_HEADS, list_last - seg // NUM_KV_HEADS))
+        h = seg % NUM_KV_HEADS
         q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, b, b >= 0, tl.load(seq_lens_ptr + b), max_q_len,
                                               MULTI_Q)
+        num_splits = tl.load(req_splits_ptr + b)
+        base = tl.load(req_split_base_ptr + b)
         if row < _segment_rows(q_len, G, MULTI_Q):
-            num_splits = tl.load(req_splits_ptr + b)
-            base = tl.load(req_split_base_ptr + b)
-            _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
-                          h, row, 0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, ROWS, BLOCK_D,
-                          BLOCK_P, HAS_SINKS, MULTI_Q)
+            if is_whole:
+                _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
+                              total_q, h, row, 0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, 1,
+                              BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q)
+            else:
+                _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
+                              total_q, h, row, (chunk_item % D_CHUNKS) * CHUNK_D, base, num_splits, NUM_KV_HEADS, h,
+                              0, G, SLOT_ROWS, HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)

@@ -25,6 +25,12 @@ from .numerics import FP8_Q_PRESCALE
 MERGE_TILE = 4096
 MERGE_CHUNK_D = 32
 MERGE_NUM_WARPS = 4
+# merge_units_kernel runs one-warp programs, MERGE_UNITS_CTAS_PER_SM per SM, on steps of
+# MERGE_UNITS_TILE elements (32 fp32 per thread): each item is a chain of dependent loads,
+# and small programs keep many in flight (docs/tuning.md "Decode, deterministic mode").
+MERGE_UNITS_TILE = 1024
+MERGE_UNITS_NUM_WARPS = 1
+MERGE_UNITS_CTAS_PER_SM = 32
 # merge_stream_kernel merges a segment of at most MERGE_WHOLE_PIECES pieces in one program
 # (all rows in one step); one of more pieces has at least that many programs to share it.
 # (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
@@ -70,11 +76,15 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int, query: Q
 
 
 def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, query: QueryRows) -> dict:
-    """The units merge takes one tile row per item (a request of many splits is SLOT_ROWS items
-    per KV head) and reduces [BLOCK_P partials, 1, head dim] tiles of MERGE_TILE elements."""
+    """Compile-time constants of ``merge_units_kernel``: its two item shapes, steps of
+    MERGE_UNITS_TILE elements: one row of up to WHOLE_P partials, and one row's MERGE_CHUNK_D
+    columns of CHUNK_P partials."""
     block_d = triton.next_power_of_2(head_dim)
+    chunk_d = min(MERGE_CHUNK_D, block_d)
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, HEAD_DIM=head_dim,
-                BLOCK_D=block_d, ROWS=1, BLOCK_P=max(1, MERGE_TILE // block_d), MULTI_Q=query.multi_q)
+                BLOCK_D=block_d, WHOLE_P=max(2, min(MERGE_WHOLE_PIECES, MERGE_UNITS_TILE // block_d)),
+                CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d), CHUNK_P=MERGE_UNITS_TILE // chunk_d,
+                MULTI_Q=query.multi_q)
 
 
 def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool,
@@ -195,16 +205,18 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu
 
 def launch_merge_units(o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, req_split_base, merge_list,
                        merge_count, sinks: torch.Tensor | None, query: QueryRows, num_kv_heads: int, grid: int,
-                       warmup: bool = False):
-    """Persistent merge over ``grid`` programs of the requests in merge_list [B] int32
-    (merge_count [1] int32 of them; see ``merge_units_kernel``); sinks [Hq] or None."""
+                       list_last: int, use_pdl: bool = False, warmup: bool = False):
+    """Persistent merge over ``grid`` programs of the requests listed in merge_list [>= list_last
+    + 1] int32, merge_count [2] int32 (see ``merge_units_kernel``); sinks [Hq] or None. use_pdl:
+    launched as a programmatic dependent of the decode kernel (sm90 only)."""
     group, head_dim = out.shape[1] // num_kv_heads, out.shape[2]
+    pdl = dict(launch_pdl=True) if use_pdl else {}
     return launch_or_compile(
         merge_units_kernel, (grid,), warmup,
         o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, req_split_base, merge_list, merge_count,
-        sinks if sinks is not None else out, out.stride(0), out.stride(1), query.max_q_len, out.shape[0],
-        HAS_SINKS=sinks is not None, num_warps=MERGE_NUM_WARPS,
-        **merge_units_constants(num_kv_heads, group, head_dim, query))
+        sinks if sinks is not None else out, out.stride(0), out.stride(1), list_last, query.max_q_len, out.shape[0],
+        HAS_SINKS=sinks is not None, USE_PDL=use_pdl, num_warps=MERGE_UNITS_NUM_WARPS,
+        **merge_units_constants(num_kv_heads, group, head_dim, query), **pdl)
 
 
 def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, k_scale: float = 1.0,

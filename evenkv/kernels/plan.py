@@ -156,13 +156,14 @@ def _count_starts(seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity,
             chunk_tiles(first_tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS))
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "chunk_capacity"])
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "chunk_capacity", "list_last"])
 def plan_stream_kernel(
     seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr, plan_scalars_ptr,
     req_chunks_ptr, req_chunk_base_ptr, merge_list_ptr, merge_count_ptr, error_ptr,
-    batch_size, capacity, window, max_q_len, num_ctas, chunk_capacity,
+    batch_size, capacity, window, max_q_len, num_ctas, chunk_capacity, list_last,
     NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
     MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    WHOLE_CHUNKS: tl.constexpr,
 ):
     """The balanced plan (module docstring). DETERMINISTIC: every segment is cut into chunks of
     ``chunk_tiles`` (a function of its own length), which the decode kernel walks and stores one
@@ -170,8 +171,9 @@ def plan_stream_kernel(
     chunk: a request's partials, and their merge, are then the same bits whatever else is in
     the batch. Per request it also writes its chunk count and first chunk (``req_chunks``,
     ``req_chunk_base`` [B] int32; a chunk's partial slot is (base + chunk) * Hkv + head) and
-    the compact list of requests of several chunks (``merge_list`` [B] int32, ``merge_count``
-    [1]), for ``decode.merge_units_kernel``. A batch of more chunks than the workspace holds
+    the requests of several chunks for ``decode.merge_units_kernel``, in its two classes:
+    those of at most WHOLE_CHUNKS chunks from the front of ``merge_list`` ([list_last + 1]
+    int32), the others from entry list_last down, and their counts (``merge_count`` [2]). A batch of more chunks than the workspace holds
     (``chunk_capacity``; only where requests share prefix pages) takes larger chunks from its
     total tiles, still correct but no longer invariant: INVARIANCE_LOST is set. ``cta_pos``
     [C + 1] int32: where each CTA starts (and the total)."""
@@ -207,6 +209,7 @@ def plan_stream_kernel(
     active_carry = tl.zeros([], tl.int32)
     chunk_carry = tl.zeros([], tl.int32)
     merge_carry = tl.zeros([], tl.int32)
+    rows_carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
         seq_len, cost, mask, q_start, q_len, _, _ = _request_cost(
@@ -229,11 +232,15 @@ def plan_stream_kernel(
             tl.store(row + 5, chunk_base, mask=active & writer)
             tl.store(req_chunks_ptr + offs, chunks, mask=mask & writer)
             tl.store(req_chunk_base_ptr + offs, chunk_base, mask=mask & writer)
-            several = chunks > 1
-            merge_rank = tl.cumsum(several.to(tl.int32), 0) - 1 + merge_carry
-            tl.store(merge_list_ptr + merge_rank, offs, mask=several & writer)
+            whole = (chunks > 1) & (chunks <= WHOLE_CHUNKS)
+            by_rows = chunks > tl.maximum(WHOLE_CHUNKS, 1)
+            whole_rank = tl.cumsum(whole.to(tl.int32), 0) - 1 + merge_carry
+            rows_rank = tl.cumsum(by_rows.to(tl.int32), 0) - 1 + rows_carry
+            tl.store(merge_list_ptr + whole_rank, offs, mask=whole & writer)
+            tl.store(merge_list_ptr + list_last - rows_rank, offs, mask=by_rows & writer)
             chunk_carry += tl.sum(chunks, 0)
-            merge_carry += tl.sum(several.to(tl.int32), 0)
+            merge_carry += tl.sum(whole.to(tl.int32), 0)
+            rows_carry += tl.sum(by_rows.to(tl.int32), 0)
         active_carry += tl.sum(active.to(tl.int32), 0)
     first_active, first_req, first_len, first_cost_start, first_tiles, first_chunk = _count_starts(
         seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity, window, max_q_len, total, fit, NUM_KV_HEADS,
@@ -268,6 +275,7 @@ def plan_stream_kernel(
         tl.store(plan_scalars_ptr + 4, rows_end)
         if DETERMINISTIC:
             tl.store(merge_count_ptr, merge_carry)
+            tl.store(merge_count_ptr + 1, rows_carry)
 
 
 @triton.jit

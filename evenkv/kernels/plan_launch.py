@@ -46,7 +46,7 @@ def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, ca
     ``evenkv.planning.StreamSchedule``; see ``evenkv.kernels.plan``); errors [1] int32; window:
     sliding window W, 0 for none; max_q_len: the most query tokens of a row; multi_q: rows of
     several query tokens; chunking: deterministic mode's (min chunk tiles, max chunks, chunk
-    capacity), or None.
+    capacity, most chunks merged whole), or None.
 
     The chunk is ``plan_block_b(B, max_batch_size)``: batch sizes share two compiled variants,
     both built at start-up (``Attention.warmup``). Each program answers
@@ -55,14 +55,15 @@ def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, ca
     s, num_ctas = schedule, schedule.num_ctas
     block_b = plan_block_b(seq_lens.shape[0], max_batch_size)
     block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
-    min_chunk, max_chunks, chunk_capacity = chunking or (1, 1, 0)
+    min_chunk, max_chunks, chunk_capacity, whole_chunks = chunking or (1, 1, 0, 0)
     return launch_or_compile(
         plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
         seq_lens, cu_seqlens, plan_seq_lens, s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, s.req_chunks,
         s.req_chunk_base, s.merge_list, s.merge_count, errors, seq_lens.shape[0], capacity, window, max_q_len, num_ctas,
-        chunk_capacity,
+        chunk_capacity, s.merge_list.shape[0] - 1,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c, MULTI_Q=multi_q,
         DETERMINISTIC=chunking is not None, MIN_CHUNK_TILES=min_chunk, MAX_CHUNKS=max_chunks,
+        WHOLE_CHUNKS=whole_chunks,
         num_warps=8 if block_b >= 1024 else 4)
 
 
