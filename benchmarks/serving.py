@@ -43,7 +43,9 @@ Engines:
           mode 3 with custom_ops ["none"]), chunked prefill with 16384-token steps, no
           prefix caching.
   sglang  the HTTP server (``python -m sglang.launch_server``), started per backend and
-          driven by a streaming client on localhost (aiohttp), as an operator runs it. The
+          driven by a streaming client on localhost (aiohttp), as an operator runs it; the
+          client sends requests in arrival order, each after the one before it has its
+          response headers, so both servers queue them in the same order. The
           default is ``fa3`` (SGLang's Hopper default), ``triton`` a second baseline.
 
 Start-up, apart from the workloads: ``startup_s`` is the wall time to a ready engine (vLLM:
@@ -420,15 +422,29 @@ async def http_serve(url: str, w: Workload, prompts: list[list[int]]) -> dict:
 
     timings = [RequestTiming(a) for a in w.arrivals]
     in_flight = [0, 0]  # now, peak
+    # Requests go out in arrival order (index order among simultaneous ones), each once the one
+    # before it has its response headers: SGLang sends them as its handler takes the request,
+    # so every server queues the requests in the same order. Sent concurrently, they reach the
+    # server's queue in an order that differs from run to run, and with it which requests
+    # wait behind the long prompts' prefill.
+    order = sorted(range(len(prompts)), key=lambda i: (w.arrivals[i], i))
+    taken = {i: asyncio.Event() for i in order}
+    before = dict(zip(order[1:], order))
 
     async def one(session, i: int, t0: float):
         await asyncio.sleep(max(0.0, w.arrivals[i] - (time.perf_counter() - t0)))
+        if i in before:
+            await taken[before[i]].wait()
         body = {"input_ids": prompts[i], "stream": True,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": w.output_lens[i], "ignore_eos": True}}
         in_flight[0] += 1
         in_flight[1] = max(in_flight[1], in_flight[0])
         seen, verify_steps = 0, 0
-        async with session.post(url + "/generate", json=body) as r:
+        try:
+            r = await session.post(url + "/generate", json=body)
+        finally:
+            taken[i].set()
+        async with r:
             if r.status != 200:
                 raise RuntimeError(f"/generate answered {r.status}: {(await r.text())[:300]}")
             async for line in r.content:

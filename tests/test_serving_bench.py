@@ -134,6 +134,33 @@ def test_http_client_against_a_local_fake_server():
     assert all(b["stream"] and b["sampling_params"]["ignore_eos"] for b in seen)
 
 
+def test_http_client_sends_simultaneous_requests_in_index_order():
+    """Requests due at the same time reach the server's queue in index order even when the
+    server takes some slower than others (here the first ones wait longest before queueing):
+    the client sends each after the one before it has its response headers."""
+    aiohttp_web = pytest.importorskip("aiohttp.web", reason="aiohttp comes with the [bench] extra")
+    queued = []
+
+    async def generate(request):
+        body = await request.json()
+        await asyncio.sleep(0.02 * (5 - body["input_ids"][0]))  # request 0 is the slowest to queue
+        queued.append(body["input_ids"][0])
+        resp = aiohttp_web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(f"data: {json.dumps({'meta_info': {'completion_tokens': 1}})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main():
+        w = Workload("t", [2] * 5, [1] * 5)
+        async with local_http_server({"/generate": generate}) as url:
+            return await serving.http_serve(url, w, [[i, 0] for i in range(5)])
+
+    row = asyncio.run(main())
+    assert row["status"] == "ok" and row["requests"] == 5
+    assert queued == [0, 1, 2, 3, 4]
+
+
 def _rows():
     base = {"engine": "vllm", "engine_version": "0", "mode": "default", "tp": 1, "shape": "qwen3-8b", "graphs": 1,
             "repeat": 1, "status": "ok"}
