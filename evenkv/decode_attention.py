@@ -233,7 +233,7 @@ class DecodeAttention:
     @property
     def _whole_merge_splits(self) -> int:
         """The most splits (chunks) of a request that ``merge_units_kernel`` merges in items of
-        all its rows; the planners list requests of more apart."""
+        all its head-dim columns; the planners list requests of more apart."""
         return launch.merge_units_constants(self.num_kv_heads, self.group_size, self.head_dim,
                                             self._query(1))["WHOLE_P"]
 

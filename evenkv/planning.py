@@ -169,7 +169,7 @@ def plan_fa3_units(seq_lens: torch.Tensor, sched: UnitSchedule, *, block_n: int,
                    num_sms: int, whole_splits: int, max_splits: int = FA3_MAX_SPLITS) -> None:
     """Fill ``sched`` (buffers sized for max batch) from clamped ``seq_lens [B] int32``
     with FA3's dynamic split (depends on the batch's total work); whole_splits: the most splits
-    ``merge_units_kernel`` merges in items of all rows."""
+    ``merge_units_kernel`` merges in items of all head-dim columns."""
     tiles = (seq_lens + (block_n - 1)) // block_n
     total = tiles.sum(dtype=torch.int64)
     per_sm = FA3_SLACK_DEN * num_sms
@@ -206,7 +206,7 @@ def _fill_units(tiles: torch.Tensor, splits: torch.Tensor, sched: UnitSchedule, 
     # requests of one split write to the scratch entry, which is never read).
     scratch = sched.merge_list.shape[0] - 1
     whole = (splits > 1) & (splits <= whole_splits)
-    by_rows = splits > max(whole_splits, 1)
+    by_rows = splits > whole_splits
     where = torch.where(whole, torch.cumsum(whole, 0, dtype=torch.int32) - 1, scratch)
     where = torch.where(by_rows, scratch - torch.cumsum(by_rows, 0, dtype=torch.int32), where)
     sched.merge_list.scatter_(0, where.to(torch.int64), torch.arange(batch, device=tiles.device, dtype=torch.int32))

@@ -105,7 +105,7 @@ def merge_lists(splits, whole_splits):
     whole_splits splits) and merge_by_rows (more)."""
     splits = np.asarray(splits)
     return dict(merge_whole=np.flatnonzero((splits > 1) & (splits <= whole_splits)),
-                merge_by_rows=np.flatnonzero(splits > max(whole_splits, 1)))
+                merge_by_rows=np.flatnonzero(splits > whole_splits))
 
 
 def _unit_plan(tiles, splits, num_kv_heads):

@@ -179,9 +179,9 @@ def test_lse_merge_of_key_splits_equals_full_attention():
 @pytest.mark.parametrize("policy,lens,classes", [("fa3", [600, 5, 33], [1, 0]),
                                                   ("deterministic", [5000, 1500, 33], [1, 1])])
 def test_units_merge_item_classes(device, policy, lens, classes):
-    """merge_units_kernel's two item classes: a request of 2 .. WHOLE_P splits merged in items
-    of all its rows and 64 columns, one of more (5000 tokens: 10 deterministic chunks) in
-    (row, 32 columns) items. G = 7 and head_dim 80 mask rows and columns (BLOCK_D 128)."""
+    """merge_units_kernel's two item classes: a request of 2 .. WHOLE_P (8) splits merged in
+    items of one row and all columns, one of more (5000 tokens: 10 deterministic chunks) in
+    items of one row and 32 columns. G = 7 and head_dim 80 mask rows and columns (BLOCK_D 128)."""
     dtype = torch.float16
     attn = evenkv.DecodeAttention(7, 1, 80, 16, dtype, device, 3, 400, "fa3" if policy == "fa3" else "balanced",
                                   num_ctas=6, deterministic=policy == "deterministic")

@@ -33,6 +33,7 @@ MERGE_UNITS_NUM_WARPS = 1
 MERGE_UNITS_CTAS_PER_SM = 32
 # merge_stream_kernel merges a segment of at most MERGE_WHOLE_PIECES pieces in one program
 # (all rows in one step); one of more pieces has at least that many programs to share it.
+# merge_units_kernel merges a request of at most that many splits in items of all columns.
 # (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
 MERGE_WHOLE_PIECES = 8
 # The stream kernel merges a segment cut into at most FUSED_MERGE_PIECES pieces itself (its

@@ -173,7 +173,8 @@ def plan_stream_kernel(
     ``req_chunk_base`` [B] int32; a chunk's partial slot is (base + chunk) * Hkv + head) and
     the requests of several chunks for ``decode.merge_units_kernel``, in its two classes:
     those of at most WHOLE_CHUNKS chunks from the front of ``merge_list`` ([list_last + 1]
-    int32), the others from entry list_last down, and their counts (``merge_count`` [2]). A batch of more chunks than the workspace holds
+    int32), the others from entry list_last down, and their counts (``merge_count`` [2]).
+    A batch of more chunks than the workspace holds
     (``chunk_capacity``; only where requests share prefix pages) takes larger chunks from its
     total tiles, still correct but no longer invariant: INVARIANCE_LOST is set. ``cta_pos``
     [C + 1] int32: where each CTA starts (and the total)."""
@@ -208,7 +209,7 @@ def plan_stream_kernel(
     writer = pid == 0
     active_carry = tl.zeros([], tl.int32)
     chunk_carry = tl.zeros([], tl.int32)
-    merge_carry = tl.zeros([], tl.int32)
+    whole_carry = tl.zeros([], tl.int32)
     rows_carry = tl.zeros([], tl.int32)
     for start in range(0, batch_size, BLOCK_B):
         offs = start + offs_b
@@ -233,13 +234,13 @@ def plan_stream_kernel(
             tl.store(req_chunks_ptr + offs, chunks, mask=mask & writer)
             tl.store(req_chunk_base_ptr + offs, chunk_base, mask=mask & writer)
             whole = (chunks > 1) & (chunks <= WHOLE_CHUNKS)
-            by_rows = chunks > tl.maximum(WHOLE_CHUNKS, 1)
-            whole_rank = tl.cumsum(whole.to(tl.int32), 0) - 1 + merge_carry
+            by_rows = chunks > WHOLE_CHUNKS
+            whole_rank = tl.cumsum(whole.to(tl.int32), 0) - 1 + whole_carry
             rows_rank = tl.cumsum(by_rows.to(tl.int32), 0) - 1 + rows_carry
             tl.store(merge_list_ptr + whole_rank, offs, mask=whole & writer)
             tl.store(merge_list_ptr + list_last - rows_rank, offs, mask=by_rows & writer)
             chunk_carry += tl.sum(chunks, 0)
-            merge_carry += tl.sum(whole.to(tl.int32), 0)
+            whole_carry += tl.sum(whole.to(tl.int32), 0)
             rows_carry += tl.sum(by_rows.to(tl.int32), 0)
         active_carry += tl.sum(active.to(tl.int32), 0)
     first_active, first_req, first_len, first_cost_start, first_tiles, first_chunk = _count_starts(
@@ -274,7 +275,7 @@ def plan_stream_kernel(
         tl.store(plan_scalars_ptr + 3, max_cost // NUM_KV_HEADS)
         tl.store(plan_scalars_ptr + 4, rows_end)
         if DETERMINISTIC:
-            tl.store(merge_count_ptr, merge_carry)
+            tl.store(merge_count_ptr, whole_carry)
             tl.store(merge_count_ptr + 1, rows_carry)
 
 
