@@ -175,6 +175,10 @@ class DecodeAttention:
         self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
                                 for c in grids} if self._kind == "stream" else {}
         self._merge_units_grid = self.num_sms * launch.MERGE_UNITS_CTAS_PER_SM
+        # The most splits (chunks) of a request merge_units_kernel merges in items of all its
+        # head-dim columns; the planners list requests of more apart.
+        self._whole_merge_splits = launch.merge_units_constants(num_kv_heads, self.group_size, head_dim,
+                                                                self._query(1))["WHOLE_P"]
         slots = self._partial_slots()
         self._o_part = torch.empty(slots * self._slot_rows * head_dim, dtype=torch.float32, device=self.device)
         self._lse_part = torch.empty(slots * self._slot_rows, dtype=torch.float32, device=self.device)
@@ -230,12 +234,6 @@ class DecodeAttention:
         return (-(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n), DETERMINISTIC_MAX_SPLITS,
                 deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens), self._whole_merge_splits)
 
-    @property
-    def _whole_merge_splits(self) -> int:
-        """The most splits (chunks) of a request that ``merge_units_kernel`` merges in items of
-        all its head-dim columns; the planners list requests of more apart."""
-        return launch.merge_units_constants(self.num_kv_heads, self.group_size, self.head_dim,
-                                            self._query(1))["WHOLE_P"]
 
     def _use_pdl(self, config: DecodeConfig) -> bool:
         return config.programmatic_launch and self._pdl_capable

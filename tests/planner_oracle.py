@@ -38,8 +38,8 @@ def stream_plan(seq_lens, capacity, num_ctas, num_kv_heads, block_n, cu_seqlens_
     request whose cost range ends after cta_pos[c] = c * piece; (K, B, 0, total) past the end.
     Verify rows (cu_seqlens_q given) cost the tiles of the keys their tokens see together: all
     of them, or under a window W the last W + q_len - 1; none when q_len is 0. chunking
-    (deterministic mode): (min chunk tiles, max chunks, chunk capacity, most chunks merged whole); each CTA start moves up
-    to its segment's next chunk boundary (its end at most)."""
+    (deterministic mode): (min chunk tiles, max chunks, chunk capacity, most chunks merged
+    whole); each CTA start moves up to its segment's next chunk boundary (its end at most)."""
     lens = np.clip(np.asarray(seq_lens, dtype=np.int64), 0, capacity)
     q_start, q_len, malformed = query_rows(cu_seqlens_q, lens, max_q_len)
     visible = np.minimum(lens, window + np.maximum(q_len, 1) - 1) if window else lens

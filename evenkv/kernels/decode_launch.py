@@ -153,8 +153,8 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
     ``decode_stream_kernel``; ``schedule`` an ``evenkv.planning.StreamSchedule``; o_part/lse_part
     hold 2 * num_ctas slots of query.slot_rows rows, or a slot per chunk and KV head when
     ``deterministic``; merge_counters [num_ctas] int32 zeros; cu_seqlens [B + 1] and tree
-    [total_q] int32). use_pdl: let the next launch (``launch_merge_stream`` with use_pdl) start
-    early (sm90)."""
+    [total_q] int32). use_pdl: let the next launch (``launch_merge_stream``, or in deterministic
+    mode ``launch_merge_units``, with use_pdl) start early (sm90)."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)

@@ -60,7 +60,7 @@ def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, ca
         plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
         seq_lens, cu_seqlens, plan_seq_lens, s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, s.req_chunks,
         s.req_chunk_base, s.merge_list, s.merge_count, errors, seq_lens.shape[0], capacity, window, max_q_len, num_ctas,
-        chunk_capacity, s.merge_list.shape[0] - 1,
+        chunk_capacity, max_batch_size - 1,
         NUM_KV_HEADS=num_kv_heads, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_C=block_c, MULTI_Q=multi_q,
         DETERMINISTIC=chunking is not None, MIN_CHUNK_TILES=min_chunk, MAX_CHUNKS=max_chunks,
         WHOLE_CHUNKS=whole_chunks,
