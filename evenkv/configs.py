@@ -246,6 +246,13 @@ def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False
     return _DECODE[arch][key]
 
 
+def same_tile(a: DecodeConfig, b: DecodeConfig) -> bool:
+    """Whether two decode rows run the same tile arithmetic (KV tokens per tile, warps sharing
+    it), so a request's chunk gives the same bits under either; stages, registers and CTAs per
+    SM change only the schedule."""
+    return a.block_n == b.block_n and a.num_warps == b.num_warps
+
+
 def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False) -> DecodeConfig | None:
     """The balanced policy's config for batches of many short segments, or None where the
     main row serves every batch (sm80, head dim 256, head dim 128 at page size < 16, an FP8

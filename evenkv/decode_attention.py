@@ -28,7 +28,7 @@ from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, 
                      normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
-                      many_segments_config, max_tile_rows, resolve_arch, sm_count)
+                      many_segments_config, max_tile_rows, resolve_arch, same_tile, sm_count)
 from .errors import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
 from .planning import (DETERMINISTIC_MAX_SPLITS, DETERMINISTIC_MIN_CHUNK_TOKENS, PLAN_SCALARS, DecodePlan,
                        StreamSchedule, UnitSchedule, decode_query_lens, deterministic_chunk_capacity,
@@ -67,8 +67,8 @@ class DecodeAttention:
             (``evenkv.configs.many_segments_config``; ``launch_config`` says which).
         deterministic: batch-invariant results (``balanced`` or ``none``): a request is cut
             into chunks by its own length only and its chunks are merged in a fixed order,
-            with one kernel variant and config for every batch, so its output is bitwise the
-            same whatever else is in the batch. Default: EVENKV_DETERMINISTIC.
+            with one kernel tile for every batch, so its output is bitwise the same whatever
+            else is in the batch. Default: EVENKV_DETERMINISTIC.
         max_total_tokens: the most KV tokens a batch can hold (an engine's KV pool size);
             sizes deterministic mode's partial workspace (one [G x max_q_len, D] fp32 slot
             per 512 tokens and KV head, plus one per request). Default: 2**21.
@@ -151,14 +151,17 @@ class DecodeAttention:
         # row and its grid for batches of many short segments (see launch_config).
         self._slot_rows = self.group_size * self.max_q_len
         self._variants = {}
-        # Deterministic mode runs every batch on one variant (its config and grid set the
-        # arithmetic), that of the longest rows.
+        # Deterministic mode runs every batch on one q-length variant, that of the longest rows:
+        # its tile (rows, block_n, warps) sets the arithmetic. The chunks do not depend on the
+        # grid, so the many-segments row, which differs only in CTAs, stages and registers,
+        # keeps the same bits where its tile is the main row's.
         buckets = [q_len_bucket(self.max_q_len)] if deterministic else q_len_buckets(self.max_q_len)
         configs = [self._bucket_config(bucket) for bucket in buckets]
         many_config = None
-        if buckets[0] == 1 and self._kind == "stream" and not deterministic and self._forced_config is None and \
-                num_ctas is None:
+        if buckets[0] == 1 and self._kind == "stream" and self._forced_config is None and num_ctas is None:
             many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
+            if deterministic and many_config is not None and not same_tile(many_config, configs[0]):
+                many_config = None
         probes = [(config, self._query(bucket)) for config, bucket in zip(configs, buckets)]
         probes += [(many_config, self._query(1))] if many_config is not None else []
         grids = [num_ctas] * len(probes) if num_ctas is not None else self._default_grids(probes)

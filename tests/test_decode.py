@@ -292,12 +292,13 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
     registers; head_dim 128 at page size >= 16: 5 at 96) meet the same checks: their CTAs
     fit the register cap and the shared memory, with no local memory in the tile loop.
     There is no such row for sm80, head_dim 256, or head_dim 128 at page size 1."""
-    from evenkv.configs import many_segments_config
+    from evenkv.configs import decode_config, many_segments_config, same_tile
     cfg = many_segments_config("sm90", head_dim, 16)
     assert cfg is not None and cfg.max_ctas_per_sm == ctas
     assert many_segments_config("sm90", head_dim, 1) == (cfg if min_page == 1 else None)
     assert many_segments_config("sm80", head_dim, 16) is None and many_segments_config("sm90", 256, 16) is None
-    _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group)
+    _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group,
+                        deterministic=same_tile(cfg, decode_config("sm90", head_dim, 16)))
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
@@ -314,9 +315,12 @@ def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_f
         _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8)
 
 
-def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None):
+def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None,
+                        deterministic=True):
     """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
-    resident CTAs per SM with no local memory in its tile loop, and the merge kernels spill nothing."""
+    resident CTAs per SM with no local memory in its tile loop, and so does its deterministic
+    variant (``deterministic``: for the rows deterministic mode runs); the merge kernels spill
+    nothing."""
     from evenkv.kernels.decode_launch import (MERGE_NUM_WARPS, MERGE_UNITS_NUM_WARPS, QueryRows,
                                               merge_stream_constants, merge_units_constants, stream_constants)
     query = query or QueryRows(1, group)
@@ -330,20 +334,21 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
                   unaligned=["stride_pt", "window", "batch_size"])
     stream_consts = dict(stream_constants(num_kv_heads, group, head_dim, 16, cfg, cfg.programmatic_launch, query),
                          **terms)
-    variants = [dict(cap=cap, consts=stream_consts, options=options)]
+    modes = [dict(stream_consts, DETERMINISTIC=det) for det in ((False, True) if deterministic else (False,))]
+    variants = [dict(cap=cap, consts=consts, options=options) for consts in modes]
     starved_check = cfg.max_registers is not None and head_dim == 128 and not layer_terms and not query.multi_q
     if starved_check:
-        variants.append(dict(cap=cap, consts=stream_consts, options=dict(options, maxnreg=80)))
-    stream, *starved = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel",
-                                        variants=variants))
-    assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
-    if cfg.max_registers is None:
-        assert stream["stack"] == 0, f"register spills: {stream}"
-    else:
-        assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
-        assert stream["mma_loop_reloads"] <= GUARD_RELOADS, f"local-memory reloads in the tile loop: {stream}"
+        variants.append(dict(cap=cap, consts=modes[0], options=dict(options, maxnreg=80)))
+    results = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel", variants=variants))
+    for stream in results[:len(modes)]:
+        assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
+        if cfg.max_registers is None:
+            assert stream["stack"] == 0, f"register spills: {stream}"
+        else:
+            assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
+            assert stream["mma_loop_reloads"] <= GUARD_RELOADS, f"local-memory reloads in the tile loop: {stream}"
     if starved_check:
-        assert starved[0]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {starved[0]}"
+        assert results[-1]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {results[-1]}"
     for name, consts, warps in [
             ("merge_stream_kernel",
              merge_stream_constants(num_kv_heads, group, head_dim, cfg, cfg.programmatic_launch, query, layer_terms),
@@ -365,7 +370,7 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
     segments per CTA of its main grid with the many-segments row, a smaller one with the
     main row, and each plan runs with its own config; a fixed grid or config turns the
     choice off, as does page size 1 at head_dim 128 (head_dim 64's row serves page 1)."""
-    from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
+    from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config, same_tile
     hq, hkv, d, page = 8, 2, head_dim, page_size
     main, many = decode_config("sm90", d, page), many_segments_config("sm90", d, page)
     gen = torch.Generator().manual_seed(3)
@@ -390,6 +395,20 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
         other = evenkv.DecodeAttention(hq, hkv, d, other_page, torch.float16, device, threshold, max_pages,
                                        arch="sm90", **kwargs)
         assert other.launch_config(threshold) == (main, other.num_ctas)
+    # Deterministic mode keeps the many-segments row where its tile is the main row's (head_dim
+    # 128): a request's bytes in such a batch are those it has alone, under the main row.
+    det = evenkv.DecodeAttention(hq, hkv, d, page, torch.float16, device, threshold, max_pages, arch="sm90",
+                                 deterministic=True)
+    keeps_many = many is not None and same_tile(many, main)
+    assert keeps_many == (d == 128 and page == 16)
+    lens = torch.randint(1, 100, (threshold,), generator=gen).tolist()
+    q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, page, torch.float16, device, seed=1)
+    plan = det.plan(seq_lens, pt)
+    assert plan.config == (many if keeps_many else main)
+    in_batch = det.run(plan, q, kc, vc)[-1].clone()
+    alone = det.plan(seq_lens[-1:], pt[-1:])
+    assert alone.config == main
+    assert torch.equal(in_batch, det.run(alone, q[-1:], kc, vc)[0])
 
 
 PLANNING_KERNELS = [

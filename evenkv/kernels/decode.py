@@ -394,7 +394,9 @@ def decode_stream_kernel(
         chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 4, mask=k < num_active, other=1)
         chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 5, mask=k < num_active, other=0)
         next_chunk = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 4, mask=k + 1 < num_active, other=1)
-        next_chunk_base = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1) + 5, mask=k + 1 < num_active, other=0)
+        # Tiles left in the chunk being walked (the range starts at a chunk boundary): a
+        # countdown, so the loop tests the chunk's end without a division.
+        chunk_left = chunk
     if MULTI_Q:
         q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2, mask=k < num_active, other=0)
         q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3, mask=k < num_active, other=0)
@@ -442,10 +444,11 @@ def decode_stream_kernel(
                 next_b = tl.load(nxt, mask=k + 1 < num_active, other=0)
                 next_seq_len = tl.load(nxt + 1, mask=k + 1 < num_active, other=0)
                 if DETERMINISTIC:
+                    # The chunk length is needed at this tile, so it was loaded ahead; the
+                    # first partial slot only at the end of a chunk, tiles from here.
                     chunk = next_chunk
-                    chunk_base = next_chunk_base
                     next_chunk = tl.load(nxt + 4, mask=k + 1 < num_active, other=1)
-                    next_chunk_base = tl.load(nxt + 5, mask=k + 1 < num_active, other=0)
+                    chunk_base = tl.load(nxt - ACTIVE_REQ_FIELDS + 5, mask=k < num_active, other=0)
                 if MULTI_Q:
                     q_start = next_q_start
                     q_len = next_q_len
@@ -455,6 +458,8 @@ def decode_stream_kernel(
                 first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
             else:
                 h = h + 1
+            if DETERMINISTIC:
+                chunk_left = chunk
         tile = c - seg_lo
         q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
                     HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
@@ -466,7 +471,8 @@ def decode_stream_kernel(
                                  MULTI_Q, TREE)
         if DETERMINISTIC:
             # The chunk's last tile: store it (whole if it is the segment), fresh accumulator after.
-            if ((tile + 1) % chunk == 0) | (tile == n_tiles - 1):
+            chunk_left -= 1
+            if (chunk_left == 0) | (tile == n_tiles - 1):
                 if n_tiles <= chunk:
                     _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
                                  acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
@@ -476,6 +482,7 @@ def decode_stream_kernel(
                 m = tl.full([ROWS], float("-inf"), tl.float32)
                 l = tl.zeros([ROWS], tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+                chunk_left = chunk
         else:
             # The segment's last tile in this range: store it whole, or as a cut piece.
             tile_end = tl.minimum(end - seg_lo, n_tiles)
@@ -799,6 +806,30 @@ def decode_units_kernel(
             tl.atomic_xchg(queue_ptr + 1, 0)
 
 
+@triton.jit
+def _units_merge_item(item, items, whole_items, list_last, merge_list_ptr, seq_lens_ptr, cu_seqlens_ptr,
+                      req_splits_ptr, req_split_base_ptr, max_q_len, NUM_KV_HEADS: tl.constexpr,
+                      SLOT_ROWS: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+                      MULTI_Q: tl.constexpr):
+    """What ``merge_units_kernel``'s item ``item`` merges: (whether it is of the whole class,
+    KV head, row, first column, first q row, q_len, splits, first split). All its loads are
+    masked off past the last item (``items``), where the fields are unused."""
+    valid = item < items
+    chunk_item = item - whole_items
+    is_whole = chunk_item < 0
+    seg_row = tl.where(is_whole, item, chunk_item // D_CHUNKS)
+    seg = seg_row // SLOT_ROWS
+    b = tl.load(merge_list_ptr + tl.where(is_whole, seg // NUM_KV_HEADS, list_last - seg // NUM_KV_HEADS),
+                mask=valid, other=0)
+    valid = valid & (b >= 0)
+    q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, b, valid, tl.load(seq_lens_ptr + b, mask=valid, other=0),
+                                          max_q_len, MULTI_Q)
+    num_splits = tl.load(req_splits_ptr + b, mask=valid, other=0)
+    base = tl.load(req_split_base_ptr + b, mask=valid, other=0)
+    d0 = tl.where(is_whole, 0, (chunk_item % D_CHUNKS) * CHUNK_D)
+    return is_whole, seg % NUM_KV_HEADS, seg_row % SLOT_ROWS, d0, q_start, q_len, num_splits, base
+
+
 @triton.jit(do_not_specialize=["list_last", "max_q_len", "total_q"])
 def merge_units_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, seq_lens_ptr, cu_seqlens_ptr, req_splits_ptr, req_split_base_ptr,
@@ -819,27 +850,26 @@ def merge_units_kernel(
 
     An item is a short chain of dependent loads (the request, its split range, the partials),
     so the merge's time is the number of items over the items in flight: the programs are
-    small (one warp, ``decode_launch.MERGE_UNITS_NUM_WARPS``) so that many are resident. The
-    order of every reduction is fixed by the splits, never by the item's program. USE_PDL
-    (programmatic dependent launch, sm90): the grid is launched while the decode kernel runs
-    and waits (``gdc_wait``) for it before it reads a partial. Rows past the request's own are
-    skipped; a batch whose requests all have one split launches programs that find no item."""
+    small (one warp, ``decode_launch.MERGE_UNITS_NUM_WARPS``) so that many are resident, and
+    each loads the next item's fields before it merges the current one. The order of every
+    reduction is fixed by the splits, never by the item's program. USE_PDL (programmatic
+    dependent launch, sm90): the grid is launched while the decode kernel runs; the plan, which
+    completed before that kernel started (it is launched in plain stream order), is read at
+    once, the partials only after ``gdc_wait``. Rows past the request's own are skipped; a
+    batch whose requests all have one split launches programs that find no item."""
     whole_items = tl.load(merge_count_ptr) * (NUM_KV_HEADS * SLOT_ROWS)
     items = whole_items + tl.load(merge_count_ptr + 1) * (NUM_KV_HEADS * SLOT_ROWS * D_CHUNKS)
+    item = tl.program_id(0)
+    is_whole, h, row, d0, q_start, q_len, num_splits, base = _units_merge_item(
+        item, items, whole_items, list_last, merge_list_ptr, seq_lens_ptr, cu_seqlens_ptr, req_splits_ptr,
+        req_split_base_ptr, max_q_len, NUM_KV_HEADS, SLOT_ROWS, CHUNK_D, D_CHUNKS, MULTI_Q)
     if USE_PDL:
         gdc_wait()
-    for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        chunk_item = item - whole_items
-        is_whole = chunk_item < 0
-        seg_row = tl.where(is_whole, item, chunk_item // D_CHUNKS)
-        seg = seg_row // SLOT_ROWS
-        row = seg_row % SLOT_ROWS
-        b = tl.load(merge_list_ptr + tl.where(is_whole, seg // NUM_KV_HEADS, list_last - seg // NUM_KV_HEADS))
-        h = seg % NUM_KV_HEADS
-        q_start, q_len, _ = decode_query_rows(cu_seqlens_ptr, b, b >= 0, tl.load(seq_lens_ptr + b), max_q_len,
-                                              MULTI_Q)
-        num_splits = tl.load(req_splits_ptr + b)
-        base = tl.load(req_split_base_ptr + b)
+    while item < items:
+        next_item = item + tl.num_programs(0)
+        next_fields = _units_merge_item(
+            next_item, items, whole_items, list_last, merge_list_ptr, seq_lens_ptr, cu_seqlens_ptr, req_splits_ptr,
+            req_split_base_ptr, max_q_len, NUM_KV_HEADS, SLOT_ROWS, CHUNK_D, D_CHUNKS, MULTI_Q)
         if row < _segment_rows(q_len, G, MULTI_Q):
             if is_whole:
                 _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
@@ -847,5 +877,7 @@ def merge_units_kernel(
                               BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q)
             else:
                 _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
-                              total_q, h, row, (chunk_item % D_CHUNKS) * CHUNK_D, base, num_splits, NUM_KV_HEADS, h,
-                              0, G, SLOT_ROWS, HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+                              total_q, h, row, d0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, 1,
+                              CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+        item = next_item
+        is_whole, h, row, d0, q_start, q_len, num_splits, base = next_fields

@@ -185,26 +185,32 @@ def test_large_cache_offsets_pass_int32():
 
 
 def test_deterministic_batch_invariance_50_batches():
-    """deterministic=True: one request of 100K tokens in 50 random batches (B up to 512,
-    neighbours of 1-20K tokens, random position) gives bitwise identical bytes."""
+    """deterministic=True: one request of 100K tokens in 50 random batches (B up to 2048,
+    neighbours of 1-4K tokens, random position) gives bitwise identical bytes, under both decode
+    rows: batches of 528+ requests (4 segments per CTA of the main grid) run the many-segments
+    row, whose tile is the main row's."""
     gen = torch.Generator().manual_seed(4)
-    pool_lens = [100_000] + [int(x) for x in torch.randint(1, 20_000, (511,), generator=gen)]
+    pool = 2048
+    pool_lens = [100_000] + [int(x) for x in torch.randint(1, 4_000, (pool - 1,), generator=gen)]
     q, k, v, seq_lens, pt = build(pool_lens, 16, seed=5)
     # The workspace is sized from the pool's tokens, as the engines size it.
-    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 512, pt.shape[1], deterministic=True,
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", pool, pt.shape[1], deterministic=True,
                                   max_total_tokens=k.shape[0])
     plan = attn.plan(seq_lens[:1], pt[:1])
     want = attn.run(plan, q[:1], k, v)[0].clone()
     check_sample(attn.run(plan, q[:1], k, v), q[:1], k, v, seq_lens[:1], pt[:1], 16, [0])
-    for _ in range(50):
-        batch = int(torch.randint(1, 513, (1,), generator=gen))
-        rows = (torch.randperm(511, generator=gen)[:batch - 1] + 1).tolist()
+    configs = {attn.launch_config(1)[0].name}
+    for i in range(50):
+        batch = pool if i == 0 else int(torch.randint(1, pool + 1, (1,), generator=gen))
+        rows = (torch.randperm(pool - 1, generator=gen)[:batch - 1] + 1).tolist()
         pos = int(torch.randint(0, batch, (1,), generator=gen))
         rows.insert(pos, 0)
         idx = torch.tensor(rows, device="cuda")
         plan = attn.plan(seq_lens[idx], pt[idx])
+        configs.add(plan.config.name)
         out = attn.run(plan, q[idx], k, v)
-        assert torch.equal(out[pos], want), (batch, pos)
+        assert torch.equal(out[pos], want), (batch, pos, plan.config.name)
+    assert len(configs) == 2, configs
 
 
 VERIFY_CASES = [  # (total tokens, batch, long share, query tokens per request)
