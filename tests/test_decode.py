@@ -234,6 +234,10 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
 # register cap is tight, ptxas reloads up to this many loop-invariant values per iteration
 # from local memory (L1 hits; docs/tuning.md, "The page-id guard"). Loop state never spills.
 GUARD_RELOADS = 3
+# Deterministic mode's walk keeps its chunk countdown, chunk lengths and first partial slot live
+# as well: at the verify rows' 168-register cap ptxas reloads one more invariant value per
+# iteration (the 32-row tile of 4 query tokens at head dim 128).
+DETERMINISTIC_GUARD_RELOADS = 4
 # One SM of an H100/H200 (sm90) and of an A100 (sm80): 64K registers, shared memory per SM.
 SM_REGISTERS = 65536
 SM_SHARED = {90: 228 * 1024, 80: 164 * 1024}
@@ -340,13 +344,14 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
     if starved_check:
         variants.append(dict(cap=cap, consts=modes[0], options=dict(options, maxnreg=80)))
     results = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel", variants=variants))
-    for stream in results[:len(modes)]:
+    for consts, stream in zip(modes, results):
         assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
         if cfg.max_registers is None:
             assert stream["stack"] == 0, f"register spills: {stream}"
         else:
+            guard = DETERMINISTIC_GUARD_RELOADS if consts["DETERMINISTIC"] else GUARD_RELOADS
             assert stream["mma_loop_spills"] == 0, f"register spills in the tile loop: {stream}"
-            assert stream["mma_loop_reloads"] <= GUARD_RELOADS, f"local-memory reloads in the tile loop: {stream}"
+            assert stream["mma_loop_reloads"] <= guard, f"local-memory reloads in the tile loop: {stream}"
     if starved_check:
         assert results[-1]["mma_loop_spills"] > 0, f"the spill check missed an 80-register build: {results[-1]}"
     for name, consts, warps in [
