@@ -756,6 +756,19 @@ def test_deterministic_mode_takes_the_invariant_prefill(device):
     assert attn.prefill_kernel.calls and assert_tolerance(out, *reference_pair(batch, 16), torch.float16) is None
 
 
+@pytest.mark.parametrize("policy,deterministic,words", [
+    ("balanced", False, "evenkv's balanced kernels (the balanced plan)"),
+    ("balanced", True, "deterministic: each request cut into chunks of its own length"),
+    ("fa3", False, "evenkv's fa3 kernels (FA3-style split units)"),
+    ("none", False, "evenkv's none kernels (one CTA per request and head)")])
+def test_decode_reason_names_the_policy_and_mode(device, policy, deterministic, words):
+    """``decode_reason``, the adapters' start-up line, says which decode kernels run, and
+    whether in deterministic mode (which ``decode_reason`` of a default object never claims)."""
+    attn = Attention(4, 2, 64, 16, torch.float16, device, 4, 8, policy, deterministic=deterministic)
+    assert words in attn.decode_reason
+    assert ("deterministic" in attn.decode_reason) == deterministic
+
+
 def test_prefill_switch(monkeypatch):
     from evenkv.attention import engine_prefill_wanted
 

@@ -17,6 +17,7 @@ torchvision) the inert stub in tests/stubs is put first on sys.path for this mod
 import argparse
 import importlib.metadata
 import importlib.util
+import logging
 import math
 import sys
 from pathlib import Path
@@ -644,7 +645,6 @@ def test_bad_page_in_the_request_pool_is_logged_at_a_later_step(lane, caplog):
     """A slot past the KV pool in req_to_token: the decode reads nothing there, flags it on
     the device, and the backend's per-step poll logs it (without a sync on the GPU: there it
     arrives one poll later) and clears the flag."""
-    import logging
 
     errors.check_errors(lane[0])  # start clean: earlier tests may have left bits
     world = World(1, *lane)
@@ -1357,9 +1357,10 @@ class _WithFlags:
         return getattr(self._args, name)
 
 
-def test_deterministic_inference(lane):
-    """--enable-deterministic-inference accepts evenkv and selects its deterministic decode;
-    extend batches then read the new tokens back from the cache (chunking-invariant)."""
+def test_deterministic_inference(lane, caplog):
+    """--enable-deterministic-inference accepts evenkv and selects its deterministic decode, which
+    the start-up line says; extend batches then read the new tokens back from the cache
+    (chunking-invariant)."""
     from sglang.srt import server_args as sa
 
     plugin.register()
@@ -1369,8 +1370,10 @@ def test_deterministic_inference(lane):
     # What the model runner holds when the server ran with --enable-deterministic-inference.
     # A view, not a test override: SGLang 0.5.23's override_server_args drops this field.
     world.runner.server_args = _WithFlags(world.runner.server_args, enable_deterministic_inference=True)
-    backend = world.backend()
+    with caplog.at_level(logging.INFO, logger="evenkv"):
+        backend = world.backend()
     assert backend.deterministic and attention_of(backend).deterministic and attention_of(backend).decode.deterministic
+    assert "decode on evenkv's balanced kernels (the balanced plan; deterministic:" in caplog.text
     prefix, new = [0, 6], [9, 4]
     reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
     fb = world.extend_batch(reqs, prefix, new)

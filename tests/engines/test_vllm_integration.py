@@ -24,6 +24,7 @@ imported (else ``vllm.triton_utils`` sees no active driver and disables triton),
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 from types import SimpleNamespace
 
@@ -161,17 +162,21 @@ def test_validate_configuration_refuses_with_reason(overrides, needle):
     assert needle in reasons[0]
 
 
-def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, monkeypatch):
+def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, monkeypatch, caplog):
     """vLLM's batch-invariant mode is accepted (the backend declares it) and makes the
-    builder's Attention deterministic: batch-invariant decode, prefill on the Triton kernel."""
+    builder's Attention deterministic: batch-invariant decode, prefill on the Triton kernel;
+    the start-up line says both."""
     import vllm.envs
 
     assert EvenKVBackend.supports_batch_invariance()
     assert EvenKVBackend.validate_configuration(**_selector_kwargs(use_batch_invariant=True)) == []
     monkeypatch.setattr(vllm.envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-    builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+    with caplog.at_level(logging.INFO, logger="evenkv"):
+        builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
     assert attention_of(builder).deterministic and attention_of(builder).decode.deterministic
     assert attention_of(builder).prefill_kernel is None
+    assert "decode on evenkv's balanced kernels (the balanced plan; deterministic:" in caplog.text
+    assert "prefill and extend rows run on evenkv's Triton extend kernel" in caplog.text
 
 
 def test_validate_configuration_returns_every_reason():
@@ -399,7 +404,6 @@ def test_builder_refuses_non_causal(builder, device):
 def test_builder_logs_bad_batch_data_the_kernels_flagged(builder, device, caplog):
     """The builder polls evenkv's device-side error flag once per step and logs what a kernel
     recorded (on the GPU one poll later: the poll never waits), then clears it."""
-    import logging
 
     from evenkv import errors
 
@@ -790,7 +794,6 @@ def test_drafting_builds(cpu_platform, checkpoints, device, caplog):
     makes them: the target's verify batch first, then one query token per request on
     query_start_loc = arange, seq_lens grown on the GPU. Each is planned like a step; the
     error poll is the target's alone (the flag stays set through a drafting build)."""
-    import logging
 
     from evenkv import errors
 
