@@ -171,8 +171,14 @@ def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, 
     assert EvenKVBackend.supports_batch_invariance()
     assert EvenKVBackend.validate_configuration(**_selector_kwargs(use_batch_invariant=True)) == []
     monkeypatch.setattr(vllm.envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-    with caplog.at_level(logging.INFO, logger="evenkv"):
-        builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+    # The adapter logs under vLLM's logger, which vLLM 0.33 keeps from propagating to the root.
+    start_up = logging.getLogger("vllm.evenkv")
+    start_up.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.evenkv"):
+            builder = EvenKVMetadataBuilder(_spec(torch.bfloat16), ["l0"], vllm_config, device)
+    finally:
+        start_up.removeHandler(caplog.handler)
     assert attention_of(builder).deterministic and attention_of(builder).decode.deterministic
     assert attention_of(builder).prefill_kernel is None
     assert "decode on evenkv's balanced kernels (the balanced plan; deterministic:" in caplog.text
