@@ -129,8 +129,8 @@ class Attention:
             None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel;
             deterministic mode takes the kernel's batch- and chunking-invariant form
             (``PrefillKernel.invariant``) or, where it has none, the Triton kernel
-            (``prefill_reason`` says which runs and why; ``decode_reason`` says what the
-            decode rows run on). The page audit
+            (``prefill_reason`` says which runs and why; ``decode_reason`` which of evenkv's
+            decode kernels the decode rows run on). The page audit
             still reports bad page ids, but memory safety against them is then the engine
             kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
@@ -191,13 +191,13 @@ class Attention:
         self._audit_grid = sm_count(self.device)
 
     def _describe_decode(self) -> str:
-        """Which kernels the decode rows run on, as the adapters log it."""
+        """Which of evenkv's decode kernels the decode rows run on, as the adapters log it."""
         d = self.decode
         how = {"balanced": "the balanced plan", "fa3": "FA3-style split units", "none": "one CTA per request and head"}
-        line = f"evenkv's {d.policy} kernels ({how[d.policy]}"
+        line = f"{d.policy}: {how[d.policy]}"
         if d.deterministic:
             line += "; deterministic: each request cut into chunks of its own length, merged in a fixed order"
-        return line + ")"
+        return line
 
     def _choose_prefill(self, kernel: PrefillKernel | None) -> tuple:
         """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""

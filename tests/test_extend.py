@@ -757,10 +757,10 @@ def test_deterministic_mode_takes_the_invariant_prefill(device):
 
 
 @pytest.mark.parametrize("policy,deterministic,words", [
-    ("balanced", False, "evenkv's balanced kernels (the balanced plan)"),
+    ("balanced", False, "balanced: the balanced plan"),
     ("balanced", True, "deterministic: each request cut into chunks of its own length"),
-    ("fa3", False, "evenkv's fa3 kernels (FA3-style split units)"),
-    ("none", False, "evenkv's none kernels (one CTA per request and head)")])
+    ("fa3", False, "fa3: FA3-style split units"),
+    ("none", False, "none: one CTA per request and head")])
 def test_decode_reason_names_the_policy_and_mode(device, policy, deterministic, words):
     """``decode_reason``, the adapters' start-up line, says which decode kernels run, and
     whether in deterministic mode (which ``decode_reason`` of a default object never claims)."""

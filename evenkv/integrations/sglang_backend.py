@@ -176,8 +176,8 @@ class EvenKVAttnBackend(AttentionBackend):
                 kv_dtype=self.kv_dtype, prefill_kernel=prefill, deterministic=True if deterministic else None,
                 max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21, max_decode_q_len=max(1, self.verify_q_len),
                 tree_masks=self.tree_verify)
-            logger.info("evenkv: attention layers of %s decode on %s; prefill and extend run on %s", kind,
-                        self.attentions[kind].decode_reason, self.attentions[kind].prefill_reason)
+            logger.info("evenkv: attention layers of %s decode on evenkv's kernels (%s); prefill and extend run on %s",
+                        kind, self.attentions[kind].decode_reason, self.attentions[kind].prefill_reason)
         # Server flag or EVENKV_DETERMINISTIC, as the Attention objects resolved it.
         self.deterministic = next(iter(self.attentions.values())).deterministic
         self.errors = ErrorWatcher(self.device)  # polled once per step: logs bad batch data, never syncs

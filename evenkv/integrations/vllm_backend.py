@@ -371,8 +371,9 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             for impl in impls.values():
                 if impl is not None:
                     impl.bind_attention(attention)
-            logger.info("evenkv: %d attention layer(s) of %s decode on %s (%s); their prefill and extend rows run "
-                        "on %s", len(impls), kind, attention.decode_reason, verify_reason, attention.prefill_reason)
+            logger.info("evenkv: %d attention layer(s) of %s decode on evenkv's kernels (%s; %s); their prefill and "
+                        "extend rows run on %s", len(impls), kind, attention.decode_reason, verify_reason,
+                        attention.prefill_reason)
         self.errors = ErrorWatcher(device)  # polled once per step: logs bad batch data, never syncs
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

@@ -26,7 +26,7 @@ clean stop by PID.
    types, a ``length`` finish, ``usage.completion_tokens == --max-tokens`` (streams ask for
    usage), every stream event a JSON chunk of the right object, ending with ``data: [DONE]``.
 4. The start-up log must hold evenkv's line naming the kernels its layers run and why
-   (``evenkv: ... decode on evenkv's balanced kernels; ... run on ...``); with another
+   (``evenkv: ... decode on evenkv's kernels (...); ... run on ...``); with another
    backend this check is skipped.
 5. Stop: SIGTERM to the server's PID, then SIGKILL, by PID, to each of its child processes
    still alive after --stop-grace seconds (and to the server itself if it is).

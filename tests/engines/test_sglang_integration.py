@@ -1373,7 +1373,7 @@ def test_deterministic_inference(lane, caplog):
     with caplog.at_level(logging.INFO, logger="evenkv"):
         backend = world.backend()
     assert backend.deterministic and attention_of(backend).deterministic and attention_of(backend).decode.deterministic
-    assert "decode on evenkv's balanced kernels (the balanced plan; deterministic:" in caplog.text
+    assert "decode on evenkv's kernels (balanced: the balanced plan; deterministic:" in caplog.text
     prefix, new = [0, 6], [9, 4]
     reqs = [world.add_request(p + n + 1) for p, n in zip(prefix, new)]
     fb = world.extend_batch(reqs, prefix, new)

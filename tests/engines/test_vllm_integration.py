@@ -181,7 +181,7 @@ def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, 
         start_up.removeHandler(caplog.handler)
     assert attention_of(builder).deterministic and attention_of(builder).decode.deterministic
     assert attention_of(builder).prefill_kernel is None
-    assert "decode on evenkv's balanced kernels (the balanced plan; deterministic:" in caplog.text
+    assert "decode on evenkv's kernels (balanced: the balanced plan; deterministic:" in caplog.text
     assert "prefill and extend rows run on evenkv's Triton extend kernel" in caplog.text
 
 
