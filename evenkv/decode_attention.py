@@ -237,7 +237,6 @@ class DecodeAttention:
         return (-(-DETERMINISTIC_MIN_CHUNK_TOKENS // block_n), DETERMINISTIC_MAX_SPLITS,
                 deterministic_chunk_capacity(self.max_batch_size, self.max_total_tokens), self._whole_merge_splits)
 
-
     def _use_pdl(self, config: DecodeConfig) -> bool:
         return config.programmatic_launch and self._pdl_capable
 
