@@ -13,7 +13,8 @@ e4m3 data], "fp32_ptrs": [fp32 pointer args], "fp32": [fp32 scalar args], "unali
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
 bytes of one CTA, whether the SASS has wgmma (HGMMA, or QGMMA on 8-bit operands) and cp.async
-(LDGSTS), the instructions of one trip of the tile loop (``mma_loop_instructions``, and by
+(LDGSTS), whether ptxas serialized the wgmmas (``wgmma_serialized``: its note C7515, given when
+it cannot prove an accumulator untouched while its wgmma is in flight), the instructions of one trip of the tile loop (``mma_loop_instructions``, and by
 opcode ``mma_loop_ops``), and the
 local-memory traffic of the innermost loop whose body has an MMA (the tile loop; a spill
 outside it costs once per segment or once per CTA): ``mma_loop_spills``, the spill stores
@@ -40,6 +41,10 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
 LOCAL_ACCESS = re.compile(r"\b(LDL|STL)\b[^\[]*\[([^\]]+)\]")
+
+
+# ptxas's note that it waits for every wgmma before issuing the next one, in the whole kernel.
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 MMA = re.compile(r"\b[HQI]G?MMA\b")  # HMMA (mma.sync), HGMMA / QGMMA (16-bit / 8-bit wgmma), IMMA
@@ -95,7 +100,8 @@ def main():
             sig[n] = "fp32" if n in spec.get("fp32", ()) else "constexpr" if n.isupper() else "i32"
     aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride") and n not in spec.get("unaligned", ()))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump, ptxas = os.path.join(tools, "cuobjdump"), os.path.join(tools, "ptxas")
     result = []
     for v in spec["variants"]:
         compiled = triton.compile(ASTSource(kernel, sig, v["consts"], attrs), target=GPUTarget("cuda", v["cap"], 32),
@@ -106,11 +112,17 @@ def main():
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                    check=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as ptx:
+            ptx.write(compiled.asm["ptx"])
+            ptx.flush()
+            ptxas_log = subprocess.run([ptxas, f"-arch=sm_{v['cap']}{'a' if v['cap'] == 90 else ''}", "-v", ptx.name,
+                                        "-o", os.devnull], capture_output=True, text=True, check=True).stderr
         field = lambda key: int(usage.split(key + ":")[1].split()[0])  # noqa: E731
         spills, reloads = mma_loop_local_traffic(sass)
         ops = mma_loop_ops(sass)
         result.append(dict(regs=field("REG"), stack=field("STACK"), shared=compiled.metadata.shared,
                            wgmma=bool(re.search(r"\b[HQ]GMMA\b", sass)), cp_async="LDGSTS" in sass,
+                           wgmma_serialized=WGMMA_SERIALIZED in ptxas_log,
                            mma_loop_spills=spills, mma_loop_reloads=reloads,
                            mma_loop_instructions=sum(ops.values()), mma_loop_ops=ops))
     print(json.dumps(result))

@@ -103,13 +103,14 @@ def test_tree_masks(device, policy, deterministic):
 
 
 @pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
-@pytest.mark.parametrize("terms", [dict(sliding_window=20), dict(sliding_window=1), dict(logit_cap=2.0),
-                                   dict(sinks=True), dict(fp8=True),
+@pytest.mark.parametrize("terms", [dict(sliding_window=20), dict(sliding_window=1), dict(sliding_window=130),
+                                   dict(logit_cap=2.0), dict(sinks=True), dict(fp8=True),
                                    dict(sliding_window=12, logit_cap=3.0, sinks=True, fp8=True)],
-                         ids=["window", "window-1", "cap", "sinks", "fp8", "all"])
+                         ids=["window", "window-1", "window-past-a-tile", "cap", "sinks", "fp8", "all"])
 def test_layer_terms(device, policy, deterministic, terms):
     """Each query token has its own window (keys > its position - W); soft-cap, sinks and an FP8
-    cache as for decode rows."""
+    cache as for decode rows. A window of 130 makes the 150-token request's first 128-token tile
+    end before its new tokens yet start inside the first token's window, not the last one's."""
     hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
     q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, Q_LENS, hq, hkv, d, ps, dtype, device, seed=6)
     layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))

@@ -69,7 +69,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .error_bits import QUERY_OUT_OF_RANGE
-from .numerics import FP8_Q_PRESCALE, LOG2E, dot, narrow, soft_cap
+from .numerics import FP8_Q_PRESCALE, LOG2E, dot, dot_acc, narrow, settled, soft_cap
 
 from .plan import ACTIVE_REQ_FIELDS, decode_query_rows, row_window, window_tiles
 
@@ -117,8 +117,12 @@ def _row_offsets(row, stride, MULTI_Q: tl.constexpr):
 def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
             G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
-    """The segment's tile rows of q ([ROWS, BLOCK_D], ``_row_fields``) as stored; absent rows are
-    zero (they only pad the dot).
+    """The segment's tile rows of q ([ROWS, BLOCK_D], ``_row_fields``) as stored. Plain decode:
+    absent rows (past G) are zero. Verify rows: a row past the request's q_len re-reads its
+    last token (it only pads the dot and is never stored), so the load needs no per-row mask
+    and its addresses are one segment base plus loop-invariant int32 row offsets (the tile
+    loop reloads q every tile); a request whose q rows pass q's ``total_q`` rows loads zeros
+    (the plan flags it).
 
     The softmax scale is applied to the fp32 scores, not to q: scaling q and rounding it
     back to fp16/bf16 would overflow for |q| * sm_scale * log2(e) > 65504 (fp16) and add a
@@ -126,11 +130,23 @@ def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
     to (one conversion instruction per two values; to bf16 it takes four); the prescale
     keeps bf16 queries up to 2**20 in fp16's range, and the host folds its inverse into
     qk_scale."""
-    row, g, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
-    ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(ptrs, mask=mask, other=0.0)
+    if MULTI_Q:
+        offs = tl.arange(0, ROWS)
+        tok = tl.minimum(offs // G, tl.maximum(q_len - 1, 0))
+        base = q_ptr + q_start.to(tl.int64) * stride_qb + (h * G).to(tl.int64) * stride_qh
+        ptrs = base + (tok * stride_qb + (offs % G) * stride_qh)[:, None] + offs_d[None, :]
+        in_range = q_start + tl.maximum(q_len, 1) <= total_q
+        if BLOCK_D == HEAD_DIM:
+            q = tl.load(ptrs, mask=in_range, other=0.0)
+        else:
+            q = tl.load(ptrs, mask=in_range & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        row, g, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
+        mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+        ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + \
+            offs_d[None, :]
+        q = tl.load(ptrs, mask=mask, other=0.0)
     if KV_FP8:
         q = (q.to(tl.float32) * FP8_Q_PRESCALE).to(tl.float16)
     return q
@@ -197,8 +213,15 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     else:
         s = s * qk_scale
     if MULTI_Q:
-        s = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
-                     float("-inf"))
+        # A tile of the prefix inside every row's window (the last row's is the narrowest:
+        # keys > seq_len - 1 - W): each row sees each key of it, and most of the tile loop's
+        # tiles are such, so they skip the per-score masks.
+        if (tok0 + BLOCK_N <= seq_len - q_len) & ((window <= 0) | (tok0 >= seq_len - window)):
+            s_seen = s
+        else:
+            s_seen = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
+                              float("-inf"))
+        s = s_seen
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later
         # tokens) keeps acc = l = 0 instead of computing -inf - -inf.
@@ -212,7 +235,13 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + dot(narrow(p, q.dtype), v.to(q.dtype))
+    acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    if ROWS >= 64:
+        # Tiles of 64+ rows take wgmma dots on sm90. Triton 3.6 would leave this one in flight
+        # into the next tile while the segment-end store and reset read and rewrite acc, and
+        # ptxas then serializes every wgmma of the kernel (note C7515): each of the QK dot's 8
+        # steps waited for the one before.
+        acc = settled(acc)
     return m_new, l, acc
 
 

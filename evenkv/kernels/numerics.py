@@ -41,6 +41,16 @@ def dot_acc(a, b, acc):
 
 
 @triton.jit
+def settled(x):
+    """x (an fp32 dot result, any shape), unchanged, through a copy Triton cannot see through:
+    an asynchronous (wgmma) dot that produced x is waited for here, not left in flight into
+    the loop's next iteration. ptxas drops the copy."""
+    if INTERPRETER:
+        return x
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def narrow(x, dtype: tl.constexpr):
     """x (any float dtype) cast to ``dtype``, rounding to nearest even."""
     if INTERPRETER:
