@@ -14,8 +14,8 @@ int32; pointers and strides are 16-byte aligned as the JIT sees them for real in
 Prints one JSON list, per variant: registers and stack bytes per thread, shared memory
 bytes of one CTA, whether the SASS has wgmma (HGMMA, or QGMMA on 8-bit operands) and cp.async
 (LDGSTS), whether ptxas serialized the wgmmas (``wgmma_serialized``: its note C7515, given when
-it cannot prove an accumulator untouched while its wgmma is in flight), the instructions of one trip of the tile loop (``mma_loop_instructions``, and by
-opcode ``mma_loop_ops``), and the
+it cannot prove an accumulator untouched while its wgmma is in flight), the instructions of
+one trip of the tile loop (``mma_loop_instructions``, and by opcode ``mma_loop_ops``), and the
 local-memory traffic of the innermost loop whose body has an MMA (the tile loop; a spill
 outside it costs once per segment or once per CTA): ``mma_loop_spills``, the spill stores
 (STL) in it and the loads (LDL) of local slots it stores, i.e. loop state that goes

@@ -213,15 +213,12 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     else:
         s = s * qk_scale
     if MULTI_Q:
-        # A tile of the prefix inside every row's window (the last row's is the narrowest:
-        # keys > seq_len - 1 - W): each row sees each key of it, and most of the tile loop's
-        # tiles are such, so they skip the per-score masks.
-        if (tok0 + BLOCK_N <= seq_len - q_len) & ((window <= 0) | (tok0 >= seq_len - window)):
-            s_seen = s
-        else:
-            s_seen = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
-                              float("-inf"))
-        s = s_seen
+        # Only a tile that reaches the new tokens or starts before the last row's window (the
+        # narrowest: keys > seq_len - 1 - W) is masked; the prefix tiles inside every row's
+        # window, most of the loop's, are seen whole by every row.
+        if (tok0 + BLOCK_N > seq_len - q_len) | ((window > 0) & (tok0 < seq_len - window)):
+            s = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
+                         float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later
         # tokens) keeps acc = l = 0 instead of computing -inf - -inf.
