@@ -136,8 +136,10 @@ class Attention:
         arch, debug: as ``evenkv.DecodeAttention``.
         max_decode_q_len: the most query tokens one decode row may have (1 + speculative draft
             tokens, up to 16; ``DecodeAttention``'s max_q_len).
-        tree_masks: decode rows may carry tree masks (``plan``'s tree_mask).
-        decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``, ...).
+        tree_masks: decode rows of several query tokens carry tree masks (``plan``'s
+            tree_mask, required for them then).
+        decode_kwargs: passed on to ``DecodeAttention`` (``num_ctas``, ``deterministic``,
+            ``q_lens``, ...).
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -280,8 +282,9 @@ class Attention:
         decode_q_len: host int, the most query tokens of one decode row (1 to max_decode_q_len).
         num_decode_tokens: host int, the decode rows' query tokens (cu_seqlens_q[num_decodes]);
             default num_decodes, required when decode_q_len > 1.
-        tree_mask: None (causal among a decode row's tokens) or [>= num_decode_tokens] int32:
-            each decode query row's tree mask over its request's new tokens (``DecodeAttention.plan``).
+        tree_mask: [>= num_decode_tokens] int32 exactly when decode_q_len > 1 and the object has
+            tree_masks (else None: causal among a decode row's tokens): each decode query row's
+            tree mask over its request's new tokens (``DecodeAttention.plan``).
         """
         batch = check_batch_metadata(seq_lens, page_table, self.device, cu_seqlens_q)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)

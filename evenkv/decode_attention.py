@@ -14,6 +14,7 @@ and each such case sets the device's error flag (``evenkv.errors``).
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -82,8 +83,13 @@ class DecodeAttention:
         max_q_len: the most query tokens one row can have, 1 to MAX_DECODE_Q_LEN (speculative
             verify: 1 + draft tokens); sizes the partial workspace. Every row reads each KV
             byte once for all its tokens.
-        tree_masks: plans may carry tree masks (``plan``'s ``tree_mask``); start-up then
-            compiles those variants too. Not with a sliding window.
+        q_lens: the query-token counts plans will name (``plan``'s q_len), when the caller
+            knows them (SGLang: 1 for decode batches, 1 + draft tokens for verify ones): only
+            their q-length buckets are built, and a plan of another count runs on the next
+            larger built one. Default: every count up to max_q_len.
+        tree_masks: rows of several query tokens carry tree masks (``plan``'s ``tree_mask``,
+            required then; a chain ``(1 << (t + 1)) - 1`` gives causal rows), so only the
+            tree-masked variants of their buckets are built. Not with a sliding window.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -92,7 +98,7 @@ class DecodeAttention:
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
                  max_total_tokens: int = 1 << 21, debug: bool | None = None, sliding_window: int | None = None,
                  logit_cap: float | None = None, kv_dtype: torch.dtype | None = None, max_q_len: int = 1,
-                 tree_masks: bool = False):
+                 q_lens: Sequence[int] | None = None, tree_masks: bool = False):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)
@@ -103,6 +109,7 @@ class DecodeAttention:
             check_positive_int("num_ctas", num_ctas)
         check_positive_int("max_total_tokens", max_total_tokens)
         self.max_q_len = check_positive_int("max_q_len", max_q_len)
+        self.q_lens = check_q_lens(q_lens, self.max_q_len)
         if not isinstance(tree_masks, bool):
             raise TypeError(f"tree_masks: expected bool, got {type(tree_masks).__name__}")
         if tree_masks and self.sliding_window is not None:
@@ -155,7 +162,7 @@ class DecodeAttention:
         # its tile (rows, block_n, warps) sets the arithmetic. The chunks do not depend on the
         # grid, so the many-segments row, which differs only in CTAs, stages and registers,
         # keeps the same bits where its tile is the main row's.
-        buckets = [q_len_bucket(self.max_q_len)] if deterministic else q_len_buckets(self.max_q_len)
+        buckets = [q_len_bucket(self.max_q_len)] if deterministic else sorted({q_len_bucket(n) for n in self.q_lens})
         configs = [self._bucket_config(bucket) for bucket in buckets]
         many_config = None
         if buckets[0] == 1 and self._kind == "stream" and self._forced_config is None and num_ctas is None:
@@ -253,7 +260,9 @@ class DecodeAttention:
     def _bucket(self, q_len: int) -> int:
         """The q-length bucket (kernel variant) of rows of up to q_len query tokens; the one
         variant in deterministic mode."""
-        return next(iter(self._variants)) if self.deterministic else q_len_bucket(q_len)
+        if self.deterministic:
+            return next(iter(self._variants))
+        return next(bucket for bucket in self._variants if bucket >= q_len)
 
     def _default_grids(self, variants: list[tuple[DecodeConfig, launch.QueryRows]]) -> list[int]:
         """For each (config, rows) variant: SMs x the resident CTAs per SM of its decode kernel.
@@ -312,8 +321,8 @@ class DecodeAttention:
                index_dtypes: tuple = INDEX_DTYPES) -> None:
         """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
         for tensors laid out like these (dtypes, strides, alignment; any batch size): each
-        q-length bucket's and each config's decode and merge kernels (with and without tree
-        masks where the object takes them), and the plan and page-audit kernels for every
+        built q-length bucket's and each config's decode and merge kernels (tree-masked for
+        rows of several tokens on an object with tree_masks), and the plan and page-audit kernels for every
         batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
         specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
 
@@ -328,7 +337,7 @@ class DecodeAttention:
         plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
         with parallel_compiles():
             for bucket, (config, grid, many) in self._variants.items():
-                for tree in (False, True) if bucket > 1 and self.tree_masks else (False,):
+                for tree in sorted({self.tree_masks and n > 1 for n in self.q_lens if self._bucket(n) == bucket}):
                     self._compile(config, t, self._query(bucket, tree), merge=True)
                 plans.append((config, grid, bucket > 1))
                 if many is not None:
@@ -366,9 +375,9 @@ class DecodeAttention:
             ``q_len``, a q_len above 1 for plain decode rows) is flagged on the device
             (``evenkv.check_errors``) and never run as something else.
         q_len: host int, the most query tokens of one request (1 to this object's max_q_len):
-            picks the kernel variant.
-        tree_mask: None, or [>= cu_seqlens_q[B]] int32 on this device (with q_len > 1 and
-            ``tree_masks=True``): bit j of tree_mask[i] says whether query row i sees its
+            picks the kernel variant, the smallest built q-length bucket that holds it.
+        tree_mask: [>= cu_seqlens_q[B]] int32 on this device exactly when q_len > 1 and the
+            object has ``tree_masks=True``, else None: bit j of tree_mask[i] says whether query row i sees its
             request's new token j (the prefix is always seen); bit t of token t must be set.
         seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
             the page table with no sync.
@@ -386,10 +395,12 @@ class DecodeAttention:
         else:
             check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=(torch.int32,), device=self.device)
         tree = tree_mask is not None
+        if tree != (self.tree_masks and q_len > 1):
+            expected = "[>= total_q] int32 (this object has tree_masks=True)" if not tree else "None"
+            raise ValueError(f"tree_mask: expected {expected} for rows of q_len={q_len}, got "
+                             f"{'None' if not tree else 'a tensor'} (tree masks go with tree_masks=True and rows "
+                             f"of several query tokens)")
         if tree:
-            if not self.tree_masks or q_len == 1:
-                raise ValueError(f"tree_mask: expected None for an object built with tree_masks={self.tree_masks} "
-                                 f"planning rows of q_len={q_len} (tree masks need tree_masks=True and q_len > 1)")
             check_tensor("tree_mask", tree_mask, shape=(None,), dtypes=(torch.int32,), device=self.device)
         capacity = page_table.shape[1] * self.page_size
         if seq_lens_cpu is not None:
@@ -530,10 +541,17 @@ def check_max_q_len(max_q_len: int, group_size: int, head_dim: int, arch: str) -
                          f"{max(1, most // group_size)}")
 
 
-def q_len_buckets(max_q_len: int) -> list[int]:
-    """The q-length buckets of rows of up to max_q_len query tokens: 1 and the powers of two
-    above it, up to max_q_len rounded up (each is one kernel variant)."""
-    return [1] + [1 << k for k in range(1, max(max_q_len - 1, 0).bit_length() + 1)]
+def check_q_lens(q_lens, max_q_len: int) -> tuple[int, ...]:
+    """The distinct query-token counts of ``q_lens`` (a non-empty sequence of ints in 1 ..
+    max_q_len), ascending; every count up to max_q_len for None."""
+    if q_lens is None:
+        return tuple(range(1, max_q_len + 1))
+    if isinstance(q_lens, (str, bytes)) or not isinstance(q_lens, Sequence) or not q_lens or any(
+            isinstance(n, bool) or not isinstance(n, int) for n in q_lens):
+        raise TypeError(f"q_lens: expected a non-empty sequence of ints, got {q_lens!r}")
+    if not all(1 <= n <= max_q_len for n in q_lens):
+        raise ValueError(f"q_lens: expected query-token counts in 1..max_q_len={max_q_len}, got {list(q_lens)}")
+    return tuple(sorted(set(q_lens)))
 
 
 def q_len_bucket(q_len: int) -> int:

@@ -67,6 +67,24 @@ def test_q_length_buckets(device, max_q_len, q_lens):
     assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
 
 
+def test_named_q_lens_build_their_buckets_only(device):
+    """q_lens=(1, 4) (SGLang: decode batches and 4-token verify batches) builds the buckets of 1
+    and 4 tokens only; a batch whose rows have at most 2 tokens runs on the 4-token variant,
+    bitwise as an object with every bucket runs it there."""
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, torch.float16
+    q_lens = [2, 1, 2, 0, 2]
+    q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, q_lens, hq, hkv, d, ps, dtype, device, seed=12)
+    named = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=4, q_lens=(4, 1, 4))
+    assert named.q_lens == (1, 4)
+    plan = named.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=2)
+    assert plan.query.max_q_len == 4
+    out = named.run(plan, q, kc, vc)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
+    every = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=4)
+    assert every.q_lens == (1, 2, 3, 4)
+    assert torch.equal(out, every.run(every.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc))
+
+
 def _tree_masks(q_lens, seed):
     """A random tree over each request's new tokens (token 0 the root; each later token a child
     of an earlier one), as the rows' bit masks: token t sees itself and its ancestors."""
@@ -97,7 +115,8 @@ def test_tree_masks(device, policy, deterministic):
     assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, tree_mask=tree)
     chain = torch.tensor([(1 << (t + 1)) - 1 for n in q_lens for t in range(n)], dtype=torch.int32, device=device)
     by_chain = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=chain), q, kc, vc)
-    causal = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6), q, kc, vc)
+    causal_attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, deterministic=deterministic)
+    causal = causal_attn.run(causal_attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6), q, kc, vc)
     assert torch.equal(by_chain, causal)
     assert max_error(out, causal.float()) > 1e-2, "the tree mask changed nothing"
 
@@ -227,6 +246,15 @@ def test_attention_verify_plan_arguments(device):
     with pytest.raises(ValueError, match="tree_masks: tree-shaped drafts under a sliding window"):
         evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, tree_masks=True,
                                sliding_window=64)
+    with pytest.raises(ValueError, match=r"q_lens: expected query-token counts in 1..max_q_len=4, got \[1, 5\]"):
+        evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, q_lens=(1, 5))
+    with pytest.raises(TypeError, match="q_lens: expected a non-empty sequence of ints"):
+        evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, q_lens=())
+    tree = evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, tree_masks=True)
+    with pytest.raises(ValueError, match=r"tree_mask: expected \[>= total_q\] int32 .* for rows of q_len=2, got None"):
+        tree.plan(lens, pt, cu_seqlens_q=cu, q_len=2)
+    with pytest.raises(ValueError, match="tree_mask: expected None for rows of q_len=1, got a tensor"):
+        tree.plan(lens, pt, q_len=1, tree_mask=torch.zeros(2, dtype=torch.int32, device=device))
     decode = evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4)
     with pytest.raises(ValueError, match="cu_seqlens_q: rows of up to q_len=2 query tokens need cu_seqlens_q"):
         decode.plan(lens, pt, q_len=2)

@@ -165,6 +165,7 @@ class EvenKVAttnBackend(AttentionBackend):
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         # Speculative verify: D query tokens per request, as decode rows (tree-masked or causal).
+        # Batches hold rows of 1 (decode) or D (verify) tokens: only those kernels are built.
         self.verify_q_len, self.tree_verify = speculative_verify(model_runner.server_args)
         prefill = sglang_flash_attention(self.device)
         self.layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model, self.swa_layer_ids)
@@ -175,7 +176,7 @@ class EvenKVAttnBackend(AttentionBackend):
                 max_batch_size, self.max_pages, policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
                 kv_dtype=self.kv_dtype, prefill_kernel=prefill, deterministic=True if deterministic else None,
                 max_total_tokens=int(getattr(pool, "size", 0)) or 1 << 21, max_decode_q_len=max(1, self.verify_q_len),
-                tree_masks=self.tree_verify)
+                q_lens=(1, self.verify_q_len) if self.verify_q_len else None, tree_masks=self.tree_verify)
             logger.info("evenkv: attention layers of %s decode on evenkv's kernels (%s); prefill and extend run on %s",
                         kind, self.attentions[kind].decode_reason, self.attentions[kind].prefill_reason)
         # Server flag or EVENKV_DETERMINISTIC, as the Attention objects resolved it.
