@@ -97,17 +97,22 @@ def test_the_check_sees_a_new_specialization(device, recorder):
 @pytest.mark.parametrize("engine", ["vllm-like", "sglang-like"])
 def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engine):
     """Steps of a speculating engine after the warm-up its adapter does (``max_decode_q_len`` =
-    1 + k draft tokens, k = 3). vLLM-like: pages of 16, the cache read for every row, int32
+    1 + k draft tokens). vLLM-like (k = 3): pages of 16, the cache read for every row, int32
     lengths only; decode rows of 1 to 1 + k query tokens (verify rows, short prefill chunks)
-    then padding requests (q_len 0, seq_len 0) or prefill rows. SGLang-like: page 1, new
-    tokens in k_new/v_new, int64 lengths; uniform verify batches, plain decode
-    batches and extend batches. Both engines' cu_seqlens_q are int32."""
+    then padding requests (q_len 0, seq_len 0) or prefill rows. SGLang-like (n-gram, k = 7): page
+    1, new tokens in k_new/v_new, int64 lengths; uniform verify batches with tree masks, plain
+    decode batches and extend batches, and the adapter's ``q_lens=(1, 1 + k)``: every decode
+    variant built is one these batches launch (rows of 2-4 tokens would take a 16-row variant of
+    their own; 8 tokens x G = 4 take 32 rows). Both engines' cu_seqlens_q are int32."""
     vllm = engine == "vllm-like"
-    page_size, max_batch, width, verify = (16, 300, 64, 4) if vllm else (1, 300, 1024, 4)
+    page_size, max_batch, width, verify = (16, 300, 64, 4) if vllm else (1, 300, 1024, 8)
     q, k_new, v_new, k_cache, v_cache = _tensors(device, page_size, packed=vllm)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    # SGLang's adapter under n-gram speculation: decode batches of 1 token, verify batches of
+    # 1 + k tokens with tree masks.
+    sglang = {} if vllm else dict(q_lens=(1, verify), tree_masks=True)
     attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width,
-                            max_decode_q_len=verify)
+                            max_decode_q_len=verify, **sglang)
     new = {} if vllm else dict(k_new=k_new, v_new=v_new)
     index_dtypes = (torch.int32,) if vllm else (torch.int64,)
     attn.warmup(q, k_cache, v_cache, out=out, index_dtypes=index_dtypes, **new)
@@ -135,12 +140,18 @@ def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engi
         table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=device)
         decode_q_len = max(q_lens[:decodes], default=1) or 1
         decode_tokens = {} if decode_q_len == 1 else dict(num_decode_tokens=int(cu[decodes]))
+        if sglang and decode_q_len > 1:
+            chain = [(1 << (t + 1)) - 1 for t in range(verify)] * decodes
+            decode_tokens["tree_mask"] = torch.tensor(chain, dtype=torch.int32, device=device)
         plan = attn.plan(cu, seq_lens, table, num_decodes=decodes, max_q_len=max(q_lens),
                          decode_q_len=decode_q_len, **decode_tokens)
         total = int(cu[-1])
         attn.run(plan, q[:total], k_cache, v_cache, out=out[:total],
                  **{name: tensor[:total] for name, tensor in new.items()})
     _assert_covered(recorder)
+    if sglang:  # and nothing more: only the variants such batches launch were built
+        launched = set(recorder.launched)
+        assert not {key for key in recorder.compiled if key[0] == "decode_stream_kernel" and key not in launched}
 
 
 def test_grid_probes_compile_in_parallel(device, monkeypatch):
