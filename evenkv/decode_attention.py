@@ -85,8 +85,8 @@ class DecodeAttention:
             byte once for all its tokens.
         q_lens: the query-token counts plans will name (``plan``'s q_len), when the caller
             knows them (SGLang: 1 for decode batches, 1 + draft tokens for verify ones): only
-            their q-length buckets are built, and a plan of another count runs on the next
-            larger built one. Default: every count up to max_q_len.
+            their q-length buckets and max_q_len's are built, and a plan of another count runs
+            on the next larger built one. Default: every count up to max_q_len.
         tree_masks: rows of several query tokens carry tree masks (``plan``'s ``tree_mask``,
             required then; a chain ``(1 << (t + 1)) - 1`` gives causal rows), so only the
             tree-masked variants of their buckets are built. Not with a sliding window.
@@ -162,7 +162,8 @@ class DecodeAttention:
         # its tile (rows, block_n, warps) sets the arithmetic. The chunks do not depend on the
         # grid, so the many-segments row, which differs only in CTAs, stages and registers,
         # keeps the same bits where its tile is the main row's.
-        buckets = [q_len_bucket(self.max_q_len)] if deterministic else sorted({q_len_bucket(n) for n in self.q_lens})
+        buckets = [q_len_bucket(self.max_q_len)] if deterministic else sorted(
+            {q_len_bucket(n) for n in self.q_lens + (self.max_q_len,)})
         configs = [self._bucket_config(bucket) for bucket in buckets]
         many_config = None
         if buckets[0] == 1 and self._kind == "stream" and self._forced_config is None and num_ctas is None:

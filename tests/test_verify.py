@@ -83,6 +83,9 @@ def test_named_q_lens_build_their_buckets_only(device):
     every = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=4)
     assert every.q_lens == (1, 2, 3, 4)
     assert torch.equal(out, every.run(every.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc))
+    # max_q_len's bucket is always built: rows of 3 tokens on an object that names 1 and 2.
+    short = _attn(device, hq, hkv, d, ps, dtype, pt, max_q_len=4, q_lens=(1, 2))
+    assert short.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=3).query.max_q_len == 4
 
 
 def _tree_masks(q_lens, seed):
