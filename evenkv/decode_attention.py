@@ -338,7 +338,10 @@ class DecodeAttention:
         plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
         with parallel_compiles():
             for bucket, (config, grid, many) in self._variants.items():
-                for tree in sorted({self.tree_masks and n > 1 for n in self.q_lens if self._bucket(n) == bucket}):
+                # Every count a plan may name lands in some bucket; rows of several tokens carry
+                # tree masks where the object takes them.
+                counts = range(1, self.max_q_len + 1)
+                for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
                     self._compile(config, t, self._query(bucket, tree), merge=True)
                 plans.append((config, grid, bucket > 1))
                 if many is not None:
