@@ -187,3 +187,21 @@ def test_grid_probes_compile_in_parallel(device, monkeypatch):
     assert modes[0] is not None and all(mode is modes[0] for mode in modes)
     assert built == [1, 2, 3]
     assert grids == [attn.num_sms * min(i + 1, config.max_ctas_per_sm) for i, (config, _) in enumerate(variants)]
+
+
+def test_named_q_lens_cover_every_plannable_row(device, recorder):
+    """An object naming only 4-token rows (q_lens=(4,)) with tree masks: plain rows (q_len 1,
+    no mask) run on the 4-token bucket too, and its warm-up builds that causal variant beside
+    the tree-masked one."""
+    page_size, width = 16, 8
+    q, _, _, k_cache, v_cache = _tensors(device, page_size)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, page_size, torch.bfloat16, device, 16, width, max_q_len=4,
+                                  q_lens=(4,), tree_masks=True)
+    attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+    table = torch.zeros(4, width, dtype=torch.int32, device=device)
+    seq_lens = torch.full((4,), 50, dtype=torch.int32, device=device)
+    attn.run(attn.plan(seq_lens, table), q[:4], k_cache, v_cache)
+    cu = torch.arange(0, 17, 4, dtype=torch.int32, device=device)
+    tree = torch.tensor([1, 3, 7, 15] * 4, dtype=torch.int32, device=device)
+    attn.run(attn.plan(seq_lens, table, cu_seqlens_q=cu, q_len=4, tree_mask=tree), q[:16], k_cache, v_cache)
+    _assert_covered(recorder)
