@@ -323,9 +323,10 @@ class DecodeAttention:
         """Compile, without running anything, every kernel variant ``plan`` and ``run`` can launch
         for tensors laid out like these (dtypes, strides, alignment; any batch size): each
         built q-length bucket's and each config's decode and merge kernels (tree-masked for
-        rows of several tokens on an object with tree_masks), and the plan and page-audit kernels for every
-        batch-size bucket and each length dtype in ``index_dtypes``. Per-batch integers never
-        specialize a kernel, so after this no batch compiles one. Engines call it at start-up.
+        rows of several tokens on an object with tree_masks), and the plan and page-audit
+        kernels for every batch-size bucket and each length dtype in ``index_dtypes``.
+        Per-batch integers never specialize a kernel, so after this no batch compiles one.
+        Engines call it at start-up.
 
         q: [*, Hq, D]; k_cache, v_cache: as ``run`` takes them; out: [*, Hq, D] (default: like q);
         sinks: the [Hq] sinks ``run`` will take, or None.
@@ -336,11 +337,11 @@ class DecodeAttention:
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
         s = self._schedule
         plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
+        # Every count a plan may name lands in some bucket; rows of several tokens carry tree
+        # masks where the object takes them.
+        counts = range(1, self.max_q_len + 1)
         with parallel_compiles():
             for bucket, (config, grid, many) in self._variants.items():
-                # Every count a plan may name lands in some bucket; rows of several tokens carry
-                # tree masks where the object takes them.
-                counts = range(1, self.max_q_len + 1)
                 for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
                     self._compile(config, t, self._query(bucket, tree), merge=True)
                 plans.append((config, grid, bucket > 1))
@@ -381,8 +382,9 @@ class DecodeAttention:
         q_len: host int, the most query tokens of one request (1 to this object's max_q_len):
             picks the kernel variant, the smallest built q-length bucket that holds it.
         tree_mask: [>= cu_seqlens_q[B]] int32 on this device exactly when q_len > 1 and the
-            object has ``tree_masks=True``, else None: bit j of tree_mask[i] says whether query row i sees its
-            request's new token j (the prefix is always seen); bit t of token t must be set.
+            object has ``tree_masks=True``, else None: bit j of tree_mask[i] says whether query
+            row i sees its request's new token j (the prefix is always seen); bit t of token t
+            must be set.
         seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
             the page table with no sync.
         """
