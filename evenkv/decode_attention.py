@@ -358,8 +358,8 @@ class DecodeAttention:
                         plan_launch.launch_plan_stream(
                             lens, self._row_per_request, self._plan_seq_lens, dataclasses.replace(s, num_ctas=ctas),
                             self._errors, 1, self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads,
-                            config.block_n, self.max_batch_size, self._chunking(config) if self.deterministic else None,
-                            warmup=True)
+                            config.block_n, self.max_batch_size, self.num_ctas,
+                            self._chunking(config) if self.deterministic else None, warmup=True)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------
@@ -421,7 +421,7 @@ class DecodeAttention:
             schedule = self._grid_schedules[ctas]
             plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule, self._errors, capacity,
                                            self.sliding_window or 0, q_len, bucket > 1, self.num_sms,
-                                           self.num_kv_heads, config.block_n, self.max_batch_size,
+                                           self.num_kv_heads, config.block_n, self.max_batch_size, self.num_ctas,
                                            self._chunking(config) if self.deterministic else None)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))

@@ -27,11 +27,14 @@ def _attn(device, policy, num_kv_heads, max_batch, num_ctas, page_size=16, max_p
 
 
 def _check_stream(device, lens, num_kv_heads, num_ctas, max_pages=64, page_size=16, cu=None, q_len=1, window=None,
-                  deterministic=False, max_total_tokens=1 << 21):
+                  deterministic=False, max_total_tokens=1 << 21, compare_ctas=None):
     """The balanced plan of ``lens`` (verify rows of up to q_len tokens where cu is given; the
-    deterministic chunked plan) equals the oracle's, field by field."""
+    deterministic chunked plan) equals the oracle's, field by field. compare_ctas: the main
+    grid the plan kernel's compare tile is sized for, when it is not this grid."""
     attn = _attn(device, "balanced", num_kv_heads, max(len(lens), 1), num_ctas, page_size, max_pages,
                  max_q_len=q_len, window=window, deterministic=deterministic, max_total_tokens=max_total_tokens)
+    if compare_ctas is not None:
+        attn.num_ctas = compare_ctas  # as for an object's other grids (many-segments row, verify buckets)
     seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
     page_table = torch.zeros(len(lens), max_pages, dtype=torch.int32, device=device)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
@@ -149,6 +152,15 @@ def test_stream_plan_matches_oracle(device, lens, num_kv_heads, num_ctas):
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
 
 
+@pytest.mark.parametrize("num_ctas,compare_ctas", [(7, 2), (5, 16), (12, 4), (300, 3)])
+def test_stream_plan_of_another_grid(device, num_ctas, compare_ctas):
+    """A plan whose compare tile is sized for another grid (one CTA per program, one program
+    of 8 with 3 masked, 2 per program, 2 per program for 300 CTAs) is the oracle's plan."""
+    lens = [700, 3, 0, 64, 1000, 17, 250]
+    want, cfg = _check_stream(device, lens, 2, num_ctas, compare_ctas=compare_ctas)
+    _stream_invariants(want, cfg, 2, num_ctas)
+
+
 @pytest.mark.parametrize("num_ctas", [34, 100])
 def test_stream_merge_shares_many_pieces(device, num_ctas):
     """A 64-tile request (a 4096-token page table) cut into 32 pieces (merge_stream_kernel
@@ -173,10 +185,13 @@ lengths = st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300), st.integers
                              st.integers(-2**31, -1), st.integers(1025, 2**31 - 1)), min_size=1, max_size=40)
 
 
+# compare_ctas: the plan kernel's compare tile sized for another grid (an object's main grid
+# when this is its many-segments or a verify bucket's): fewer or more CTAs per program.
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=lengths, num_kv_heads=st.sampled_from([1, 2, 4, 8]), num_ctas=st.integers(1, 300))
-def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas):
-    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas)
+@given(lens=lengths, num_kv_heads=st.sampled_from([1, 2, 4, 8]), num_ctas=st.integers(1, 300),
+       compare_ctas=st.one_of(st.none(), st.integers(1, 300)))
+def test_stream_plan_properties(device, lens, num_kv_heads, num_ctas, compare_ctas):
+    want, cfg = _check_stream(device, lens, num_kv_heads, num_ctas, compare_ctas=compare_ctas)
     _stream_invariants(want, cfg, num_kv_heads, num_ctas)
 
 

@@ -189,6 +189,29 @@ def test_grid_probes_compile_in_parallel(device, monkeypatch):
     assert grids == [attn.num_sms * min(i + 1, config.max_ctas_per_sm) for i, (config, _) in enumerate(variants)]
 
 
+def test_plans_of_every_grid_share_one_plan_kernel(device, recorder):
+    """The plan kernel's variant does not depend on the grid it plans for (one start-up build
+    fewer per grid): an object whose many-segments row runs another grid than its main row
+    (here 10 CTAs against 4, 5 CTAs per SM against 2 on the interpreter's 2 SMs) builds one
+    plan variant per batch chunk and length dtype, and plans of both grids launch it."""
+    import dataclasses
+
+    q, _, _, k_cache, v_cache = _tensors(device, 16)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 16, 8)
+    config, grid, (many, _) = attn._variants[1]
+    attn._variants[1] = (config, grid, (many, 10))
+    attn._grid_schedules[10] = dataclasses.replace(attn._schedule, num_ctas=10)
+    attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+    assert len({key for key in recorder.compiled if key[0] == "plan_stream_kernel"}) == 1
+    table = torch.zeros(16, 8, dtype=torch.int32, device=device)
+    seq_lens = torch.full((16,), 100, dtype=torch.int32, device=device)
+    for batch, ctas in ((2, grid), (16, 10)):  # below and at the many-segments threshold
+        plan = attn.plan(seq_lens[:batch], table[:batch])
+        assert plan.schedule.num_ctas == ctas
+        attn.run(plan, q[:batch], k_cache, v_cache)
+    _assert_covered(recorder)
+
+
 def test_named_q_lens_cover_every_plannable_row(device, recorder):
     """An object naming only 4-token rows (q_lens=(4,)) with tree masks: plain rows (q_len 1,
     no mask) run on the 4-token bucket too, and its warm-up builds that causal variant beside

@@ -156,7 +156,8 @@ def _count_starts(seq_lens_ptr, cu_seqlens_ptr, positions, batch_size, capacity,
             chunk_tiles(first_tiles, fit, MIN_CHUNK_TILES, MAX_CHUNKS))
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "chunk_capacity", "list_last"])
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "max_q_len", "num_ctas", "chunk_capacity",
+                             "list_last"])
 def plan_stream_kernel(
     seq_lens_ptr, cu_seqlens_ptr, plan_seq_lens_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr, plan_scalars_ptr,
     req_chunks_ptr, req_chunk_base_ptr, merge_list_ptr, merge_count_ptr, error_ptr,

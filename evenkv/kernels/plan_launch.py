@@ -41,7 +41,8 @@ def plan_block_buckets(max_batch_size: int) -> list[int]:
 
 def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, capacity: int, window: int,
                        max_q_len: int, multi_q: bool, num_sms: int, num_kv_heads: int, block_n: int,
-                       max_batch_size: int, chunking: tuple | None = None, warmup: bool = False):
+                       max_batch_size: int, compare_ctas: int, chunking: tuple | None = None,
+                       warmup: bool = False):
     """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32 -> ``schedule``'s buffers (a
     ``evenkv.planning.StreamSchedule``; see ``evenkv.kernels.plan``); errors [1] int32; window:
     sliding window W, 0 for none; max_q_len: the most query tokens of a row; multi_q: rows of
@@ -50,11 +51,13 @@ def launch_plan_stream(seq_lens, cu_seqlens, plan_seq_lens, schedule, errors, ca
 
     The chunk is ``plan_block_b(B, max_batch_size)``: batch sizes share two compiled variants,
     both built at start-up (``Attention.warmup``). Each program answers
-    ceil(C / num_sms) CTAs (rounded up to a power of two), fewer if the compare tile
-    would pass PLAN_COMPARE_TILE elements."""
+    ceil(compare_ctas / num_sms) CTAs (rounded up to a power of two), fewer if the compare
+    tile would pass PLAN_COMPARE_TILE elements. compare_ctas: the caller's main grid, the same
+    for all its plans, so that the grid C (not specialized) picks no variant: plans of its
+    other grids (the many-segments row, verify buckets) share the compiled kernel."""
     s, num_ctas = schedule, schedule.num_ctas
     block_b = plan_block_b(seq_lens.shape[0], max_batch_size)
-    block_c = min(triton.next_power_of_2(triton.cdiv(num_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
+    block_c = min(triton.next_power_of_2(triton.cdiv(compare_ctas, num_sms)), PLAN_COMPARE_TILE // block_b)
     min_chunk, max_chunks, chunk_capacity, whole_chunks = chunking or (1, 1, 0, 0)
     return launch_or_compile(
         plan_stream_kernel, (triton.cdiv(num_ctas, block_c),), warmup,
