@@ -458,10 +458,13 @@ def test_impl_selection_and_names():
     assert not di.selected("fa3-max32", False, ["default"], [])
     assert di.selected("fa3-max32", False, ["fa3-*"], [])
     assert not di.selected("evenkv-none@sm80", True, ["default"], ["*@sm80"])
-    assert evenkv_impl.parse_variant("fa3@sm80") == ("fa3", "sm80", False)
-    assert evenkv_impl.parse_variant("balanced-det") == ("balanced", None, True)
-    with pytest.raises(ValueError):
-        evenkv_impl.parse_variant("balanced@sm70")
+    assert evenkv_impl.parse_variant("fa3@sm80") == ("fa3", "sm80", False, False)
+    assert evenkv_impl.parse_variant("balanced-det") == ("balanced", None, True, False)
+    assert evenkv_impl.parse_variant("balanced-tree@sm80") == ("balanced", "sm80", False, True)
+    for bad in ("balanced@sm70", "tree-balanced", "balanced-trees"):
+        with pytest.raises(ValueError):
+            evenkv_impl.parse_variant(bad)
+    assert evenkv_impl.chain_mask(torch.tensor([0, 3, 4, 6], dtype=torch.int32)).tolist() == [1, 3, 7, 1, 1, 3]
     ctx = types.SimpleNamespace(device=torch.device("cpu"))
     names = [v for v, _ in evenkv_impl.variants(ctx)]
     assert names[:2] == ["balanced", "balanced@sm80"]  # CPU resolves to sm90: only the other table is forced
@@ -628,22 +631,23 @@ def test_wrong_implementation_is_not_timed(tmp_path, monkeypatch, mocked_cuda):
 
 @pytest.mark.interpreter
 def test_verify_rows_in_the_measurement_loop(tmp_path, mocked_cuda, fake_peers):
-    """A --verify 0,2 run through the benchmark's own path: evenkv's balanced and deterministic
-    runners (interpreter) and FA3 (stand-in) run the plain and the verify rows of each point,
+    """A --verify 0,2 run through the benchmark's own path: evenkv's balanced, deterministic and
+    tree-masked runners (interpreter) and FA3 (stand-in) run the plain and the verify rows of each point,
     each checked against the reference at q_len 1 and 3; FlashInfer's decode wrapper, which
     has no verify rows, runs the plain rows only and the summary says why."""
     args = di.resolve_args(["--shape", "tiny", "--T", "80", "--B", "4", "--dists", "Uniform,Skewed80", "--pages", "16",
                             "--verify", "0,2", "--dtype", "bf16",
-                            "--impls", "evenkv-balanced,evenkv-balanced-det,fa3-auto,flashinfer-notc",
+                            "--impls", "evenkv-balanced,evenkv-balanced-det,evenkv-balanced-tree,fa3-auto,"
+                            "flashinfer-notc",
                             "--min-reps", "1", "--max-reps", "1", "--plan-reps", "1", "--flush-mib", "1",
                             "--copy-mib", "1", "--check-rows", "4", "--out", str(tmp_path),
                             "--tag", "v", "--no-plots"])
     impls, _ = di.discover(args, torch.device("cpu"), quiet=True)
-    assert [i.name for i in impls] == ["evenkv-balanced", "evenkv-balanced-det", "fa3-auto", "flashinfer-notc"]
-    assert impls[3].unsupported == {("tiny", 16, 3): "no verify rows"}
+    every = ["evenkv-balanced", "evenkv-balanced-det", "evenkv-balanced-tree", "fa3-auto"]
+    assert [i.name for i in impls] == every + ["flashinfer-notc"]
+    assert impls[4].unsupported == {("tiny", 16, 3): "no verify rows"}
     run_dir = Path(di.Bench(args, torch.device("cpu")).run(impls))
     rows = list(csv.DictReader(open(run_dir / "v.csv")))
-    every = ["evenkv-balanced", "evenkv-balanced-det", "fa3-auto"]
     assert [(r["dist"], r["q_len"], r["name"]) for r in rows] == [
         (d, q, n) for d in ("Uniform", "Skewed80") for q in ("1", "3")
         for n in every + (["flashinfer-notc"] if q == "1" else [])]

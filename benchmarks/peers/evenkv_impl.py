@@ -2,7 +2,11 @@
 
 Variant names: ``<policy>`` uses the arch table evenkv picks for this device (the one
 the headline numbers are about); ``<policy>@sm80`` / ``<policy>@sm90`` force a table
-(skipped where it is the one picked anyway); ``balanced-det`` is the batch-invariant mode.
+(skipped where it is the one picked anyway); ``balanced-det`` is the batch-invariant mode;
+``balanced-tree`` runs verify rows as tree-masked ones (``tree_masks=True``), each planned
+with a chain mask, which is how SGLang's n-gram and EAGLE topk > 1 verify steps reach evenkv:
+the same causal rows as ``balanced``, on the tree-mask kernel variants (plain decode rows are
+the same kernels either way).
 Every variant runs verify rows (1 + K query tokens per request, K <= 15): ``DecodeAttention``
 built with ``max_q_len=1 + K`` and planned with the batch's ``cu_seqlens_q`` and ``q_len``;
 a run's verify objects compile their kernels ahead, in background processes (``prebuild``).
@@ -47,18 +51,20 @@ def variants(ctx):
         out.append((policy, True))
         out += [(f"{policy}@{arch}", True) for arch in ARCHES if arch != auto]
     out.append(("balanced-det", True))
+    out.append(("balanced-tree", False))
     return out
 
 
-def parse_variant(variant: str) -> tuple[str, str | None, bool]:
-    """'fa3@sm80' -> ('fa3', 'sm80', False); 'balanced-det' -> ('balanced', None, True)."""
+def parse_variant(variant: str) -> tuple[str, str | None, bool, bool]:
+    """'fa3@sm80' -> ('fa3', 'sm80', False, False); 'balanced-det' -> ('balanced', None, True,
+    False); 'balanced-tree' -> ('balanced', None, False, True)."""
     name, _, arch = variant.partition("@")
-    det = name.endswith("-det")
-    policy = name[: -len("-det")] if det else name
+    det, tree = name.endswith("-det"), name.endswith("-tree")
+    policy = name.rsplit("-", 1)[0] if det or tree else name
     if policy not in POLICIES or (arch and arch not in ARCHES):
-        raise ValueError(f"evenkv variant: expected <policy>[-det][@arch] with policy in {POLICIES} "
+        raise ValueError(f"evenkv variant: expected <policy>[-det|-tree][@arch] with policy in {POLICIES} "
                          f"and arch in {ARCHES}, got {variant!r}")
-    return policy, arch or None, det
+    return policy, arch or None, det, tree
 
 
 def feature_kwargs(ctx) -> dict:
@@ -78,9 +84,9 @@ class EvenkvRunner(Runner):
     every batch of its query length with the same error, and no other."""
 
     def __init__(self, variant, ctx):
-        self.policy, arch, det = parse_variant(variant)
+        self.policy, arch, det, tree = parse_variant(variant)
         self.ctx = ctx
-        self.kwargs = {"arch": arch, "deterministic": det, **feature_kwargs(ctx)}
+        self.kwargs = {"arch": arch, "deterministic": det, "tree_masks": tree, **feature_kwargs(ctx)}
         self.fp8 = ctx.kv_fp8
         self.objects = {}  # q_len -> DecodeAttention, or the exception building it raised
 
@@ -109,12 +115,23 @@ class EvenkvRunner(Runner):
         self.k, self.v = batch.k_slots, batch.v_slots
         self.scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale} if self.fp8 else {}
         self.rows = {"cu_seqlens_q": batch.cu_seqlens_q, "q_len": batch.q_len} if batch.q_len > 1 else {}
+        if batch.q_len > 1 and self.attn.tree_masks:
+            self.rows["tree_mask"] = chain_mask(batch.cu_seqlens_q)
 
     def plan(self):
         self.decode_plan = self.attn.plan(self.batch.seq_lens, self.batch.page_table, **self.rows)
 
     def run(self):
         self.attn.run(self.decode_plan, self.batch.q, self.k, self.v, out=self.batch.out, **self.scales)
+
+
+def chain_mask(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """[cu_seqlens_q[-1]] int32 tree mask of chains: query token t of each request sees its
+    new tokens 0..t, bits (1 << (t + 1)) - 1 (causal rows)."""
+    cu = cu_seqlens_q.to(torch.int64)
+    rows = torch.arange(int(cu[-1]), device=cu.device)
+    token = rows - cu[:-1].repeat_interleave(cu.diff())
+    return ((1 << (token + 1)) - 1).to(torch.int32)
 
 
 def make(variant, ctx):
