@@ -2,6 +2,10 @@
 
 import concurrent.futures
 import contextlib
+import os
+import signal
+import time
+import warnings
 
 # Softmax runs in base 2 in every kernel: scores are scaled by sm_scale * log2(e), so
 # exp2 replaces exp.
@@ -28,25 +32,135 @@ def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
 
 def compiled_kernel(kernel):
     """What ``launch_or_compile(..., warmup=True)`` returned, as a compiled kernel: inside
-    ``parallel_compiles`` a build still in flight comes back as a future (Triton's
-    ``FutureKernel``), whose ``result()`` waits for it."""
+    ``parallel_compiles`` a held build comes back as a future (Triton's ``FutureKernel``),
+    whose ``result()`` runs the held builds and returns this one."""
     result = getattr(kernel, "result", None)
     return result() if callable(result) else kernel
 
 
+# A child stuck longer than this (a deadlock inherited through fork) is killed and its builds
+# run in this process instead: start-up slows down but never hangs.
+CHILD_BUILD_TIMEOUT_S = 600.0
+
+BUILD_PROCESSES_ENV = "EVENKV_BUILD_PROCESSES"
+
+
+def build_processes() -> int:
+    """How many forked processes ``parallel_compiles`` builds in: EVENKV_BUILD_PROCESSES (1 builds
+    in this process only), else the CPUs this process may run on, at most 16."""
+    value = os.environ.get(BUILD_PROCESSES_ENV)
+    if value is None:
+        return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 16)
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{BUILD_PROCESSES_ENV} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 @contextlib.contextmanager
-def parallel_compiles(workers: int = 8):
-    """Within the block, kernels compiled by ``launch_or_compile(..., warmup=True)`` build on
-    ``workers`` threads (Triton's async-compile mode; the builds wait in ptxas and LLVM, not in
-    Python), and all are done when the block exits. Nested use and Tritons without the mode
+def parallel_compiles(processes: int | None = None):
+    """Within the block, kernels compiled by ``launch_or_compile(..., warmup=True)`` are held
+    back and built together, in up to ``processes`` forked processes (default
+    ``build_processes()``), when the block exits or when one's compiled kernel is first asked
+    for (``compiled_kernel``). Nested use and Tritons without an async-compile mode (< 3.5)
     compile one by one."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode, active_mode
-    except ImportError:  # Triton < 3.5
+    if AsyncCompileMode is None or active_mode.get() is not None:
         yield
         return
-    if active_mode.get() is not None:
+    with ForkedBuilds(build_processes() if processes is None else processes):
         yield
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
-        yield
+
+
+try:
+    from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
+except ImportError:  # Triton < 3.5
+    AsyncCompileMode = FutureKernel = active_mode = None
+
+
+class HeldBuild(concurrent.futures.Future):
+    """A build's future that, asked for its result before the builds ran, runs them."""
+
+    def __init__(self, mode: "ForkedBuilds"):
+        super().__init__()
+        self._mode = mode
+
+    def result(self, timeout=None):
+        if not self.done():
+            self._mode.build_held()
+        return super().result(timeout)
+
+
+class ForkedBuilds(AsyncCompileMode or object):
+    """Triton's async-compile mode with the builds in forked processes.
+
+    Triton's front end and passes hold the GIL, so builds on threads finish one after another.
+    Here each build Triton submits is held; ``build_held`` splits the held builds among forked
+    children, each compiling its share into Triton's on-disk cache and exiting (a build for a
+    given target makes no CUDA call, so the children never touch the parent's CUDA context),
+    then runs every build again in this process, where it loads the children's binaries from
+    that cache. A build no child finished (a failure, a timeout, a cache that stores nothing)
+    compiles here, raising its error where Triton's own mode raises it."""
+
+    def __init__(self, processes: int):
+        super().__init__(executor=None)
+        self.processes = processes
+        self.held: list[tuple] = []  # (compile_fn, HeldBuild)
+
+    def submit(self, key, compile_fn, finalize_fn):
+        if key in self.future_kernels:
+            return self.future_kernels[key]
+        future = HeldBuild(self)
+        future._key = key
+        self.raw_futures.append(future)
+        self.held.append((compile_fn, future))
+        self.future_kernels[key] = FutureKernel(finalize_fn, future)
+        return self.future_kernels[key]
+
+    def build_held(self) -> None:
+        held, self.held = self.held, []
+        if self.processes > 1 and len(held) > 1 and hasattr(os, "fork") and not _always_compile():
+            build_in_children([compile_fn for compile_fn, _ in held], self.processes)
+        for compile_fn, future in held:
+            try:
+                future.set_result(compile_fn())
+            except BaseException as error:
+                future.set_exception(error)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if exc_type is None:
+            self.build_held()
+        return super().__exit__(exc_type, exc_value, traceback)
+
+
+def _always_compile() -> bool:
+    """Whether Triton ignores its disk cache (TRITON_ALWAYS_COMPILE), so children's builds would be lost."""
+    import triton
+    return bool(triton.knobs.compilation.always_compile)
+
+
+def build_in_children(builds: list, processes: int) -> None:
+    """Run the callables ``builds`` in up to ``processes`` forked children, round-robin, and wait
+    for them. What the builds return or raise stays in the children: their effect is Triton's
+    disk cache."""
+    children = []
+    with warnings.catch_warnings():  # Python >= 3.12 warns on fork in a threaded process
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        for share in (builds[i::processes] for i in range(min(processes, len(builds)))):
+            pid = os.fork()
+            if pid == 0:  # the child: build, then leave without running the parent's exit handlers
+                status = 0
+                try:
+                    for build in share:
+                        build()
+                except BaseException:
+                    status = 1
+                finally:
+                    os._exit(status)
+            children.append(pid)
+    deadline = time.monotonic() + CHILD_BUILD_TIMEOUT_S
+    for pid in children:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)

@@ -12,6 +12,9 @@ import torch
 
 import evenkv
 from evenkv.kv_cache import warmup_write_kv
+from evenkv.kernels.reference import decode_reference
+from evenkv.testing import random_paged_batch
+from helpers import TOLERANCE_FLOOR, lowp_decode
 from test_specialization import _tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
@@ -70,3 +73,30 @@ def test_no_compilation_after_warmup(compiles, page_size, new_tokens, gpt_oss):
     torch.cuda.synchronize()
     assert compiles == [], f"kernels compiled after warm-up: {compiles}"
     evenkv.check_errors()
+
+
+def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
+    """On an empty disk cache, every build of the constructor and the warm-up happens in a forked
+    child: this process only loads the children's binaries (Triton's compile listener sees a
+    cache hit for each), and the object then decodes a batch correctly without a build. A
+    shape nothing else in this process built (5 q / 1 KV heads of 96) keeps the in-memory
+    kernel caches out of it."""
+    import triton
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setenv("EVENKV_BUILD_PROCESSES", "4")
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda *, cache_hit, **_: hits.append(cache_hit))
+    hq, hkv, d, page = 5, 1, 96, 16
+    q, k_cache, v_cache, seq_lens, table = random_paged_batch([1, 300, 0, 1000], hq, hkv, d, page, torch.bfloat16,
+                                                              "cuda", seed=3)
+    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cuda", 8, table.shape[1])
+    attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+    assert len(compiles) >= 5 and len(hits) == len(compiles), (compiles, hits)
+    assert all(hits), f"built in this process, not loaded from a child's build: {hits}"
+    compiles.clear()
+    cu = torch.arange(5, dtype=torch.int32, device="cuda")
+    out = attn.run(attn.plan(cu, seq_lens, table, num_decodes=4, max_q_len=1), q, k_cache, v_cache)
+    assert compiles == []
+    ref = decode_reference(q, k_cache, v_cache, seq_lens, table, page)
+    base = (lowp_decode(q, k_cache, v_cache, seq_lens, table, page).float() - ref).abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= 2 * base + TOLERANCE_FLOOR[q.dtype]
