@@ -1,0 +1,100 @@
+"""Cold start-up of evenkv's kernel builds: constructor plus ``warmup`` on an empty Triton cache.
+
+Each point runs in a fresh process with its own empty ``TRITON_CACHE_DIR``, after CUDA is
+initialised, and times ``evenkv.Attention(...)`` and ``Attention.warmup`` apart, counting the
+builds (Triton's post-compile hook), once building in this process only
+(``EVENKV_BUILD_PROCESSES=1``) and once in forked processes (the default). The order of the
+two alternates over repeats. Engine-like layer kinds:
+
+- ``vllm-like``: Qwen3-8B (32 / 8 heads, D 128, bf16), page 16, K|V halves of one cache tensor,
+  up to 1024 requests, int32 lengths; the extend kernels built too (vLLM's default keeps FA3
+  for prefill and builds none of them, so an engine start has fewer builds than this);
+- ``vllm-like-spec``: the same with verify rows of up to 4 tokens (3 draft tokens);
+- ``sglang-like``: Qwen3-30B-A3B (32 / 4 heads), page 1, new tokens in k_new / v_new, int32 and
+  int64 lengths.
+
+    python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--out startup.csv]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.tune_decode import write_csv
+
+KINDS = {
+    "vllm-like": dict(heads=(32, 8), page=16, batch=1024, q_len=1, new_tokens=False, int64=False),
+    "vllm-like-spec": dict(heads=(32, 8), page=16, batch=1024, q_len=4, new_tokens=False, int64=False),
+    "sglang-like": dict(heads=(32, 4), page=1, batch=1024, q_len=1, new_tokens=True, int64=True),
+}
+
+
+def measure(kind: str) -> dict:
+    """Constructor and warm-up seconds and build count of one kind, in this (fresh) process."""
+    import torch
+    import triton
+
+    import evenkv
+    spec = KINDS[kind]
+    builds = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **_: builds.append(1)
+    (hq, hkv), d, page, dev = spec["heads"], 128, spec["page"], "cuda"
+    slots = 4096 * page
+    kv = torch.zeros(slots, hkv, 2 * d, dtype=torch.bfloat16, device=dev)
+    k_cache, v_cache = kv[..., :d], kv[..., d:]
+    q = torch.zeros(8192, hq, d, dtype=torch.bfloat16, device=dev)
+    new = torch.zeros(8192, hkv, d, dtype=torch.bfloat16, device=dev) if spec["new_tokens"] else None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, dev, spec["batch"], 65536 // page,
+                            max_decode_q_len=spec["q_len"])
+    t1 = time.perf_counter()
+    attn.warmup(q, k_cache, v_cache, k_new=new, v_new=new, out=torch.empty_like(q),
+                index_dtypes=(torch.int32, torch.int64) if spec["int64"] else (torch.int32,))
+    t2 = time.perf_counter()
+    return dict(constructor_s=round(t1 - t0, 3), warmup_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3),
+                builds=len(builds))
+
+
+def run_child(kind: str, processes: str) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="evenkv-startup-"))
+    if processes == "1":
+        env["EVENKV_BUILD_PROCESSES"] = "1"
+    else:
+        env.pop("EVENKV_BUILD_PROCESSES", None)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", kind], capture_output=True,
+                          text=True, env=env)
+    if proc.returncode != 0:
+        return dict(status="error: " + proc.stderr.strip().splitlines()[-1][:200])
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), status="ok")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default="startup.csv")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.child)))
+        return
+    from evenkv.kernels.launching import build_processes
+    forked = str(build_processes())
+    rows = []
+    for kind in args.kinds.split(","):
+        for repeat in range(args.repeats):
+            order = ["1", forked] if repeat % 2 == 0 else [forked, "1"]
+            for processes in order:
+                row = dict(kind=kind, repeat=repeat + 1, build_processes=processes, **run_child(kind, processes))
+                print(json.dumps(row), flush=True)
+                rows.append(dict(row, **{k: row.get(k, "") for k in ("constructor_s", "warmup_s", "total_s", "builds")}))
+                write_csv(args.out, rows)  # after every point: a run cut short keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
