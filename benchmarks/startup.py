@@ -74,7 +74,8 @@ def run_child(kind: str, processes: str) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="startup.csv")

@@ -951,7 +951,7 @@ def test_python_m_evenkv_without_a_command_prints_usage(capsys):
     assert err.startswith("usage: evenkv") and "demo" in err and "info" in err
 
 
-@pytest.mark.parametrize("name", ["decode_imbalance", "prefill", "read_floor", "report", "serving", "tune_decode"])
+@pytest.mark.parametrize("name", ["decode_imbalance", "prefill", "read_floor", "report", "serving", "startup", "tune_decode"])
 def test_benchmark_usage_lines_name_the_real_command(name, monkeypatch, capsys):
     """Each benchmark's --help shows the command that runs it from the checkout."""
     import importlib
@@ -990,6 +990,22 @@ def test_prefill_engine_paths_fall_back_to_the_triton_extend_without_an_engine_f
     assert {r["variant"] for r in rows} == {"engine", "engine-sglang"}
     assert all(r["status"] == "ok" and "Triton" in r["config"] for r in rows), \
         [(r["variant"], r["status"], r["config"]) for r in rows]
+
+
+def test_startup_benchmark_alternates_the_build_modes_and_keeps_a_failed_point(tmp_path):
+    """benchmarks/startup.py's parent loop on a machine without CUDA: every point runs in its own
+    process, in-process and forked builds alternate by repeat, and a point that fails is a CSV
+    row whose status says why, written as it finishes."""
+    out = tmp_path / "s.csv"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--kinds", "vllm-like", "--repeats", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(open(out)))
+    from evenkv.kernels.launching import build_processes
+    forked = str(build_processes())
+    assert [(r["repeat"], r["build_processes"]) for r in rows] == [("1", "1"), ("1", forked), ("2", forked), ("2", "1")]
+    assert all(r["status"].startswith("error: ") and r["total_s"] == "" for r in rows), [r["status"] for r in rows]
 
 
 def test_tune_decode_parses_config_names():
