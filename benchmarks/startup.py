@@ -61,13 +61,15 @@ def measure(kind: str) -> dict:
 
 
 def run_child(kind: str, processes: str) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="evenkv-startup-"))
-    if processes == "1":
-        env["EVENKV_BUILD_PROCESSES"] = "1"
-    else:
-        env.pop("EVENKV_BUILD_PROCESSES", None)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", kind], capture_output=True,
-                          text=True, env=env)
+    """One point in a fresh process with an empty Triton cache: ``measure``'s dict plus a status."""
+    with tempfile.TemporaryDirectory(prefix="evenkv-startup-") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        if processes == "1":
+            env["EVENKV_BUILD_PROCESSES"] = "1"
+        else:
+            env.pop("EVENKV_BUILD_PROCESSES", None)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", kind], capture_output=True,
+                              text=True, env=env)
     if proc.returncode != 0:
         return dict(status="error: " + proc.stderr.strip().splitlines()[-1][:200])
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]), status="ok")

@@ -120,10 +120,7 @@ REAL_BUILDS = textwrap.dedent("""
 
 
 def test_children_fill_the_disk_cache_the_parent_loads():
-    pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", REAL_BUILDS], capture_output=True, text=True, env=env)
-    if proc.returncode != 0 and "ptxas" in proc.stderr:
-        pytest.skip(f"no CUDA toolchain in this Triton build: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]

@@ -7,6 +7,12 @@ import signal
 import time
 import warnings
 
+try:
+    from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
+except ImportError:  # Triton < 3.5
+    AsyncCompileMode = FutureKernel = active_mode = None
+
+
 # Softmax runs in base 2 in every kernel: scores are scaled by sm_scale * log2(e), so
 # exp2 replaces exp.
 LOG2E = 1.4426950408889634
@@ -68,12 +74,6 @@ def parallel_compiles(processes: int | None = None):
         return
     with ForkedBuilds(build_processes() if processes is None else processes):
         yield
-
-
-try:
-    from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
-except ImportError:  # Triton < 3.5
-    AsyncCompileMode = FutureKernel = active_mode = None
 
 
 class HeldBuild(concurrent.futures.Future):
