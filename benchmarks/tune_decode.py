@@ -7,10 +7,11 @@ device-to-device copy bandwidth measured in the same process, and the largest
 difference from the first candidate's output at that point. Usage:
 
     python -m benchmarks.tune_decode --out tune.csv [--shape gemma3-12b] [--tokens 262144] [--page 16]
-                                     [--kv-dtype fp8]
+                                     [--kv-dtype fp8] [--q-len 8] [--deterministic]
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
-byte per element.
+byte per element. ``--q-len N`` times speculative-verify rows of N query tokens per request
+(the candidates are then verify rows); ``--deterministic`` the batch-invariant mode.
 """
 
 import argparse
@@ -25,6 +26,7 @@ import torch
 import evenkv
 from benchmarks.decode_imbalance import SHAPES, GpuTimer, copy_bandwidth
 from evenkv.configs import DecodeConfig, many_segments_config
+from evenkv.kernels.decode_launch import tile_rows
 
 
 def lengths(total, batch, dist):
@@ -39,8 +41,8 @@ def lengths(total, batch, dist):
     return big + [rest // n + (1 if i < rest % n else 0) for i in range(n)]
 
 
-def make_batch(total, batch, dist, page, num_pages, shape):
-    """q [B, Hq, D] bf16, seq_lens [B] int32 and a page table [B, max pages] int32 of
+def make_batch(total, batch, dist, page, num_pages, shape, q_len=1):
+    """q [B * q_len, Hq, D] bf16, seq_lens [B] int32 and a page table [B, max pages] int32 of
     random distinct pages out of ``num_pages``, for ``total`` tokens split by ``dist``."""
     lens = lengths(total, batch, dist)
     pages = [(n + page - 1) // page for n in lens]
@@ -51,7 +53,7 @@ def make_batch(total, batch, dist, page, num_pages, shape):
         pt[b, :n] = perm[off:off + n]
         off += n
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch * q_len, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
     return q, seq_lens, pt
 
 
@@ -65,13 +67,15 @@ def write_csv(path, rows):
 
 def parse_config(name):
     """'bn64-w4-s5-c3-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, 128 registers
-    (default: the compiler's)); merge launched as a programmatic dependent where the GPU has it."""
-    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?", name)
+    (default: the compiler's)); merge launched as a programmatic dependent where the GPU has it.
+    A '-loops' suffix walks each segment in a loop of its own (``DecodeConfig.segment_loops``)."""
+    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?(-loops)?", name)
     if match is None:
-        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>], got {name!r}")
-    bn, warps, stages, ctas, regs = match.groups()
+        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>][-loops], "
+                         f"got {name!r}")
+    bn, warps, stages, ctas, regs, loops = match.groups()
     return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), max_registers=int(regs) if regs else None,
-                        programmatic_launch=True)
+                        programmatic_launch=True, segment_loops=loops is not None)
 
 
 def main():
@@ -84,6 +88,8 @@ def main():
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
+    ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     args = ap.parse_args()
@@ -101,7 +107,10 @@ def main():
     if args.kv_dtype == "fp8":
         k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
         scales = dict(k_scale=0.05, v_scale=0.05)
-    if args.configs == "tables":
+    q_len = args.q_len
+    if args.configs == "tables" and q_len > 1:
+        configs = [evenkv.decode_config(a, d, page, rows=tile_rows(hq // hkv, q_len)) for a in ("sm80", "sm90")]
+    elif args.configs == "tables":
         # Every row at every point (each config is passed explicitly, so the many-segments
         # row runs at all batch sizes, not only where DecodeAttention would pick it).
         many = [many_segments_config(a, d, page) for a in ("sm80", "sm90")]
@@ -115,13 +124,16 @@ def main():
     kv_bytes = 2 * total * hkv * d * k.element_size()
     for batch in map(int, args.batches.split(",")):
         for dist in args.dists.split(","):
-            q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed, shape)
+            q, seq_lens, pt = make_batch(total, batch, dist, page, pages_needed, shape, q_len)
+            verify = dict(cu_seqlens_q=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda"),
+                          q_len=q_len) if q_len > 1 else {}
             first_out = None
             for cfg, policy in itertools.product(configs, args.policies.split(",")):
                 try:
                     attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
-                                                  config=cfg, kv_dtype=k.dtype)
-                    plan = attn.plan(seq_lens, pt)
+                                                  config=cfg, kv_dtype=k.dtype, max_q_len=q_len,
+                                                  deterministic=args.deterministic)
+                    plan = attn.plan(seq_lens, pt, **verify)
                     out = attn.run(plan, q, k, v, **scales)
                     first_out = out.clone() if first_out is None else first_out
                     diff = (out.float() - first_out.float()).abs().max().item()
@@ -131,8 +143,9 @@ def main():
                     print(f"{cfg.name} {policy}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                     continue
                 frac = kv_bytes / (us * 1e-6) / copy_bw
-                rows.append(dict(config=cfg.name, policy=policy, shape=shape.name, ctas=attn.num_ctas, T=total,
-                                 B=batch, dist=dist, page=page, us=round(us, 2), frac_copy=round(frac, 4),
+                rows.append(dict(config=cfg.name, policy=policy, deterministic=args.deterministic, shape=shape.name,
+                                 ctas=attn.num_ctas, T=total, q_len=q_len, B=batch, dist=dist, page=page,
+                                 us=round(us, 2), frac_copy=round(frac, 4),
                                  max_diff_vs_first=f"{diff:.2e}"))
                 print(f"{cfg.name:24s} {policy:8s} C={attn.num_ctas:4d} B={batch:5d} {dist:9s} "
                       f"{us:9.1f} us {100 * frac:6.1f} % diff {diff:.1e}", flush=True)

@@ -17,6 +17,7 @@ per SM that the compiled kernel's registers and shared memory allow, capped by
 ``max_ctas_per_sm`` (``evenkv.kernels.decode_launch.persistent_grid``).
 """
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ class DecodeConfig:
         for the compiler's choice; a lower cap fits more resident CTAs per SM.
     programmatic_launch: launch the balanced policy's merge kernel as a programmatic
         dependent of the decode kernel (sm90+; ignored on older GPUs and the interpreter).
+    segment_loops: the balanced walk runs one pipelined loop per segment (per chunk in
+        deterministic mode) with the q rows loaded once before it, instead of one loop
+        across segments that reloads them every tile.
     """
 
     name: str
@@ -114,6 +118,7 @@ class DecodeConfig:
     max_ctas_per_sm: int
     max_registers: int | None = None
     programmatic_launch: bool = False
+    segment_loops: bool = False
 
 
 _DECODE = {
@@ -177,33 +182,35 @@ _DECODE_FP8 = {
 # Speculative-verify rows: G x q_len query rows per tile (decode_launch.tile_rows), with a
 # causal mask per row, take more registers than a decode row, so they run rows of their own,
 # keyed by tile rows; each class lists up to the largest tile rows it serves
-# (``max_tile_rows``). sm90 d128 rows 16-64 timed on the H200 (docs/tuning.md "Decode, verify
-# rows"); the others compiled without local memory in the tile loop (tests/test_decode.py),
-# not timed.
+# (``max_tile_rows``). On sm90, rows of 32 and more walk one loop per segment with their q tile
+# loaded once (``segment_loops``), and batches of many short segments take the same tile in
+# one loop across segments (``many_segments_config``); timed on the H200 (docs/tuning.md
+# "Decode, verify rows": d128 rows 16-128, d64 rows 32-64, d256 rows 32-64); the others compiled
+# without local memory in the tile loop (tests/test_decode.py), not timed.
 _DECODE_VERIFY = {
     "sm90": {
         "d64": {16: DecodeConfig("sm90-d64-r16", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                  max_registers=168, programmatic_launch=True),
                 32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
-                                 max_registers=128, programmatic_launch=True),
+                                 max_registers=128, programmatic_launch=True, segment_loops=True),
                 64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
-                                 max_registers=224, programmatic_launch=True),
+                                 max_registers=224, programmatic_launch=True, segment_loops=True),
                 128: DecodeConfig("sm90-d64-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
-                                  max_registers=224, programmatic_launch=True)},
+                                  max_registers=224, programmatic_launch=True, segment_loops=True)},
         "d128": {16: DecodeConfig("sm90-d<=128-r16", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                   max_registers=168, programmatic_launch=True),
                  32: DecodeConfig("sm90-d<=128-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
-                                  max_registers=168, programmatic_launch=True),
-                 64: DecodeConfig("sm90-d<=128-r64", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=2,
-                                  max_registers=224, programmatic_launch=True),
-                 128: DecodeConfig("sm90-d<=128-r128", block_n=32, num_warps=8, num_stages=3, max_ctas_per_sm=1,
-                                   max_registers=224, programmatic_launch=True)},
+                                  max_registers=168, programmatic_launch=True, segment_loops=True),
+                 64: DecodeConfig("sm90-d<=128-r64", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
+                                  max_registers=224, programmatic_launch=True, segment_loops=True),
+                 128: DecodeConfig("sm90-d<=128-r128", block_n=64, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                   max_registers=224, programmatic_launch=True, segment_loops=True)},
         "d256": {16: DecodeConfig("sm90-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2,
                                   max_registers=224, programmatic_launch=True),
                  32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
-                                  max_registers=168, programmatic_launch=True),
+                                  max_registers=168, programmatic_launch=True, segment_loops=True),
                  64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
-                                  max_registers=224, programmatic_launch=True)},
+                                  max_registers=224, programmatic_launch=True, segment_loops=True)},
     },
     "sm80": {
         "d64": {16: DecodeConfig("sm80-d64-r16", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2),
@@ -253,11 +260,39 @@ def same_tile(a: DecodeConfig, b: DecodeConfig) -> bool:
     return a.block_n == b.block_n and a.num_warps == b.num_warps
 
 
-def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False) -> DecodeConfig | None:
+def _one_loop(config: DecodeConfig) -> DecodeConfig:
+    """A segment-loops row's tile walked in one loop across segments."""
+    return dataclasses.replace(config, name=f"{config.name}-one-loop", segment_loops=False)
+
+
+# Verify rows that walk one loop per segment drain their pipeline at every segment: batches of
+# many short segments take a row that walks one loop across segments (docs/tuning.md "Decode,
+# verify rows"). The same tile where it was timed best, else the tile the H200 preferred.
+_DECODE_VERIFY_MANY_SEGMENTS = {
+    "sm90": {
+        "d64": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d64"].items() if cfg.segment_loops},
+        "d128": {32: _one_loop(_DECODE_VERIFY["sm90"]["d128"][32]),
+                 64: DecodeConfig("sm90-d<=128-r64-one-loop", block_n=32, num_warps=4, num_stages=3,
+                                  max_ctas_per_sm=2, max_registers=224, programmatic_launch=True),
+                 128: _one_loop(_DECODE_VERIFY["sm90"]["d128"][128])},
+        "d256": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d256"].items() if cfg.segment_loops},
+    },
+}
+
+
+def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False,
+                         rows: int | None = None) -> DecodeConfig | None:
     """The balanced policy's config for batches of many short segments, or None where the
-    main row serves every batch (sm80, head dim 256, head dim 128 at page size < 16, an FP8
-    cache)."""
-    min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(head_dim_class(head_dim), (None, None))
+    main row serves every batch. Plain decode rows (``rows`` None): a row of more, smaller CTAs
+    (none on sm80, for head dim 256, head dim 128 at page size < 16, or an FP8 cache). Verify
+    rows of ``rows`` tile rows: where their row walks one loop per segment, a row that walks
+    one loop across segments (a pipeline drained at every short segment costs more than the q
+    reloads it saves), else None."""
+    key = head_dim_class(head_dim)
+    if rows is not None:
+        decode_config(arch, head_dim, page_size, kv_fp8, rows)  # checks rows
+        return _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
+    min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(key, (None, None))
     return config if config is not None and page_size >= min_page and not kv_fp8 else None
 
 

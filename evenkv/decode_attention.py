@@ -154,29 +154,27 @@ class DecodeAttention:
         self._errors = error_flag(self.device)
         self._audit_pending = False
         self.warmed_up = False  # set by warmup()
-        # Each q-length bucket's (config, grid) and, for plain decode rows, the many-segments
-        # row and its grid for batches of many short segments (see launch_config).
+        # Each q-length bucket's (config, grid) and, where the table has one, its many-segments
+        # row and grid for batches of many short segments (see launch_config).
         self._slot_rows = self.group_size * self.max_q_len
         self._variants = {}
         # Deterministic mode runs every batch on one q-length variant, that of the longest rows:
         # its tile (rows, block_n, warps) sets the arithmetic. The chunks do not depend on the
-        # grid, so the many-segments row, which differs only in CTAs, stages and registers,
-        # keeps the same bits where its tile is the main row's.
+        # grid, so the many-segments row, which differs only in CTAs, stages, registers and
+        # walk, keeps the same bits where its tile is the main row's.
         buckets = [q_len_bucket(self.max_q_len)] if deterministic else sorted(
             {q_len_bucket(n) for n in self.q_lens + (self.max_q_len,)})
         configs = [self._bucket_config(bucket) for bucket in buckets]
-        many_config = None
-        if buckets[0] == 1 and self._kind == "stream" and self._forced_config is None and num_ctas is None:
-            many_config = many_segments_config(self.arch, head_dim, page_size, self._fp8)
-            if deterministic and many_config is not None and not same_tile(many_config, configs[0]):
-                many_config = None
+        many_configs = [None] * len(buckets)
+        if self._kind == "stream" and self._forced_config is None and num_ctas is None:
+            many_configs = [self._many_segments_config(bucket, config, deterministic)
+                            for bucket, config in zip(buckets, configs)]
         probes = [(config, self._query(bucket)) for config, bucket in zip(configs, buckets)]
-        probes += [(many_config, self._query(1))] if many_config is not None else []
+        probes += [(many, self._query(bucket)) for many, bucket in zip(many_configs, buckets) if many is not None]
         grids = [num_ctas] * len(probes) if num_ctas is not None else self._default_grids(probes)
-        for bucket, config, grid in zip(buckets, configs, grids):
-            self._variants[bucket] = (config, grid, None)
-        if many_config is not None:
-            self._variants[1] = (configs[0], grids[0], (many_config, grids[-1]))
+        many_grids = iter(grids[len(buckets):])
+        for bucket, config, grid, many in zip(buckets, configs, grids, many_configs):
+            self._variants[bucket] = (config, grid, None if many is None else (many, next(many_grids)))
         self.num_ctas = self._variants[buckets[0]][1]
         self._max_ctas = max(max(grid, many[1] if many else 0) for _, grid, many in self._variants.values())
         self._schedule = self._allocate_schedule()
@@ -206,6 +204,13 @@ class DecodeAttention:
             return self.config
         return decode_config(self.arch, self.head_dim, self.page_size, self._fp8,
                              rows=launch.tile_rows(self.group_size, bucket))
+
+    def _many_segments_config(self, bucket: int, config: DecodeConfig, deterministic: bool) -> DecodeConfig | None:
+        """The many-segments row of a q-length bucket whose main row is ``config``, or None
+        (none in the table, or, in deterministic mode, one of another tile)."""
+        rows = launch.tile_rows(self.group_size, bucket) if bucket > 1 else None
+        many = many_segments_config(self.arch, self.head_dim, self.page_size, self._fp8, rows)
+        return None if many is None or (deterministic and not same_tile(many, config)) else many
 
     def _allocate_schedule(self):
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -250,9 +255,9 @@ class DecodeAttention:
 
     def launch_config(self, batch_size: int, q_len: int = 1) -> tuple[DecodeConfig, int]:
         """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests of
-        up to ``q_len`` query tokens: for plain decode rows, the balanced policy's
-        many-segments row where it has one and the batch has at least MANY_SEGMENTS_PER_CTA
-        (request, KV head) segments per CTA of the main grid; else the q-length bucket's row."""
+        up to ``q_len`` query tokens: the q-length bucket's many-segments row where it has one
+        and the batch has at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of
+        the main grid; else the bucket's row."""
         config, grid, many = self._variants[self._bucket(q_len)]
         if many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
             return many
@@ -342,12 +347,11 @@ class DecodeAttention:
         counts = range(1, self.max_q_len + 1)
         with parallel_compiles():
             for bucket, (config, grid, many) in self._variants.items():
-                for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
-                    self._compile(config, t, self._query(bucket, tree), merge=True)
-                plans.append((config, grid, bucket > 1))
-                if many is not None:
-                    self._compile(many[0], t, self._query(bucket), merge=True)
-                    plans.append((many[0], many[1], False))
+                rows = [(config, grid)] + ([many] if many is not None else [])
+                for row_config, row_grid in rows:
+                    for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
+                        self._compile(row_config, t, self._query(bucket, tree), merge=True)
+                    plans.append((row_config, row_grid, bucket > 1))
             for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
                 for dtype in index_dtypes:
                     lens = torch.zeros(block_b, dtype=dtype, device=self.device)

@@ -1012,8 +1012,9 @@ def test_tune_decode_parses_config_names():
     from benchmarks import tune_decode
     cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.max_ctas_per_sm, cfg.max_registers) == (64, 4, 5, 3, 128)
-    assert cfg.programmatic_launch
+    assert cfg.programmatic_launch and not cfg.segment_loops
     assert tune_decode.parse_config("bn32-w8-s2-c4").max_registers is None
+    assert tune_decode.parse_config("bn32-w4-s3-c2-r224-loops").segment_loops
     with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
         tune_decode.parse_config("bn64-w4-sX-c3")
 

@@ -4,12 +4,15 @@ q lengths 2 to 16, tree masks, every layer term and an FP8 cache, against the fp
 edge cases: rows of no query, padding rows, malformed query ranges, NaN, batch invariance,
 and verify rows beside extend rows in one ``Attention`` batch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import evenkv
-from helpers import assert_extend_close_to_reference, fp8_caches, make_paged_batch, max_error
+from helpers import (assert_close_to_reference, assert_extend_close_to_reference, fp8_caches, make_paged_batch,
+                     max_error)
 
 K_SCALE, V_SCALE = 0.05, 0.04
 # (request lengths, query tokens of each): a long request cut across CTAs, a short one, one
@@ -263,3 +266,60 @@ def test_attention_verify_plan_arguments(device):
         decode.plan(lens, pt, q_len=2)
     with pytest.raises(ValueError, match="q_len: expected at most this object's max_q_len=4, got 8"):
         decode.plan(lens, pt, cu_seqlens_q=cu, q_len=8)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["balanced", "deterministic"])
+@pytest.mark.parametrize("segment_loops", [False, True], ids=["one-loop", "segment-loops"])
+def test_both_stream_walks(device, segment_loops, deterministic):
+    """The balanced walk in one loop across segments and in one loop per segment
+    (``DecodeConfig.segment_loops``: the tables give it to the verify rows) both run plain decode
+    and verify rows, with a small grid's range cuts, chunks and merges, to the reference; in
+    deterministic mode a request gets the same bits alone."""
+    hq, hkv, d, ps, dtype = 8, 2, 64, 16, torch.bfloat16
+    config = dataclasses.replace(evenkv.decode_config("sm90", d, ps, rows=16), segment_loops=segment_loops)
+    lens = [700, 9, 40, 0, 33]
+    q, kc, vc, seq_lens, pt, cu = verify_batch(lens, Q_LENS, hq, hkv, d, ps, dtype, device, seed=9)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, config=config, deterministic=deterministic)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
+    q1 = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(10)).to(dtype).to(device)
+    out1 = attn.run(attn.plan(seq_lens, pt), q1, kc, vc)
+    assert_close_to_reference(out1, q1, kc, vc, seq_lens, pt, ps)
+    if deterministic:
+        alone = attn.run(attn.plan(seq_lens[:1], pt[:1], cu_seqlens_q=cu[:2], q_len=4), q[:4], kc, vc)
+        assert torch.equal(alone, out[:4])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["balanced", "deterministic"])
+def test_many_segments_verify_rows(device, deterministic):
+    """Verify rows whose row walks one loop per segment (sm90 head dim 128, 4 tokens at G = 8:
+    32 tile rows) run batches of >= MANY_SEGMENTS_PER_CTA segments per CTA on the table's one-loop
+    row, smaller ones on the main row, both to the reference; deterministic mode keeps the
+    one-loop row only where its tile is the main row's (32 rows: a request gets the same bits
+    in either), not for 64 rows (8 tokens), whose one-loop row has 32-token tiles."""
+    from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
+    hq, hkv, d, ps, dtype = 8, 1, 128, 16, torch.bfloat16
+    main, many = decode_config("sm90", d, ps, rows=32), many_segments_config("sm90", d, ps, rows=32)
+    assert main.segment_loops and not many.segment_loops and (many.block_n, many.num_warps) == (main.block_n,
+                                                                                                   main.num_warps)
+    probe = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, 1, 8, max_q_len=4, arch="sm90")
+    threshold = -(-MANY_SEGMENTS_PER_CTA * probe.launch_config(1, 4)[1] // hkv)
+    lens = [int(x) for x in torch.randint(4, 40, (threshold,), generator=torch.Generator().manual_seed(11))]
+    lens[0] = 300
+    q_lens = [4] * threshold
+    q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, d, ps, dtype, device, seed=11)
+    attn = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, threshold, pt.shape[1], max_q_len=4, arch="sm90",
+                                  deterministic=deterministic)
+    plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4)
+    assert plan.config == many
+    out = attn.run(plan, q, kc, vc)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
+    alone = attn.plan(seq_lens[:1], pt[:1], cu_seqlens_q=cu[:2], q_len=4)
+    assert alone.config == main
+    out_alone = attn.run(alone, q[:4], kc, vc)
+    if deterministic:
+        assert torch.equal(out_alone, out[:4])
+    wide = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, threshold, pt.shape[1], max_q_len=8, arch="sm90",
+                                  deterministic=deterministic)
+    expected = decode_config("sm90", d, ps, rows=64) if deterministic else many_segments_config("sm90", d, ps, rows=64)
+    assert wide.launch_config(threshold, 8)[0] == expected

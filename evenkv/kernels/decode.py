@@ -14,7 +14,7 @@ Two kernels walk the segments, one per scheduling mode:
   planner lays every segment end to end on one cost line (each segment costs its
   tiles) and gives CTA c the cost range
   ``[c * piece, min((c + 1) * piece, total))``, which it walks in one loop across
-  segments. A segment cut by a range boundary
+  segments (or, for verify rows, one loop per segment). A segment cut by a range boundary
   produces partial (O, LSE) pairs. The CTA that stores the last of a few pieces merges
   them (``_arrive_and_merge``); ``merge_stream_kernel`` merges segments of more pieces, in
   a grid launched early (programmatic dependent launch on sm90) that waits for the decode
@@ -358,6 +358,68 @@ def _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS: tl.constexpr, FUSED_M
     return tl.where(span_pieces <= FUSED_MERGE_PIECES, b * NUM_KV_HEADS + h, -1), span_cta, span_pieces
 
 
+@triton.jit
+def _next_segment(active_req_ptr, num_active, seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk,
+                  chunk_base, q_start, q_len, next_q_start, next_q_len, seg_window, first_tok, n_tiles, window,
+                  NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MULTI_Q: tl.constexpr,
+                  DETERMINISTIC: tl.constexpr):
+    """The stream walk's step from segment (k-th active request, KV head h) at cost seg_lo to
+    the next one: the next KV head of the request, or the next request's first. The next
+    request's fields were loaded one request ahead (``next_*``), so the step waits on no load;
+    it loads those of the request after (DETERMINISTIC: its chunk length ahead too, the first
+    partial slot of the one it enters only now). Returns the walk's state, in the order it
+    takes it (chunk fields unchanged without DETERMINISTIC, query fields without MULTI_Q)."""
+    seg_lo = seg_lo + n_tiles
+    if h == NUM_KV_HEADS - 1:
+        h = 0
+        k = k + 1
+        b = next_b
+        seq_len = next_seq_len
+        nxt = active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1)
+        next_b = tl.load(nxt, mask=k + 1 < num_active, other=0)
+        next_seq_len = tl.load(nxt + 1, mask=k + 1 < num_active, other=0)
+        if DETERMINISTIC:
+            chunk = next_chunk
+            next_chunk = tl.load(nxt + 4, mask=k + 1 < num_active, other=1)
+            chunk_base = tl.load(nxt - ACTIVE_REQ_FIELDS + 5, mask=k < num_active, other=0)
+        if MULTI_Q:
+            q_start = next_q_start
+            q_len = next_q_len
+            next_q_start = tl.load(nxt + 2, mask=k + 1 < num_active, other=0)
+            next_q_len = tl.load(nxt + 3, mask=k + 1 < num_active, other=0)
+            seg_window = row_window(window, q_len)
+        first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
+    else:
+        h = h + 1
+    return (seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk, chunk_base, q_start, q_len,
+            next_q_start, next_q_len, seg_window, first_tok, n_tiles)
+
+
+@triton.jit
+def _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos, seg_lo, tile,
+               n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
+               NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+               MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """Store the (acc [ROWS, BLOCK_D], m [ROWS], l [ROWS]) of a run of segment (b, h) ending at
+    its tile ``tile``, walked by CTA ``cta`` from cost ``pos``: whole to out if the run is the
+    segment, else as a partial. DETERMINISTIC: the run is a chunk, stored at slot (chunk_base +
+    chunk index) * Hkv + h. Otherwise it is the segment's part in this CTA's range, at slot
+    2 * cta + 1 if it holds the segment's first tile (cta is its first CTA), else 2 * cta."""
+    if DETERMINISTIC:
+        whole = n_tiles <= chunk
+        slot = (chunk_base + tile // chunk) * NUM_KV_HEADS + h
+    else:
+        whole = (pos <= seg_lo) & (tile == n_tiles - 1)
+        slot = 2 * cta + (seg_lo >= pos).to(tl.int32)
+    if whole:
+        _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
+                     acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+    else:
+        _store_partial(o_part_ptr, lse_part_ptr, slot, q_len, acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM,
+                       BLOCK_D, KV_FP8, MULTI_Q)
+
+
 @triton.jit(do_not_specialize=["stride_pt", "window", "batch_size", "num_pages", "max_q_len", "total_q"])
 def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
@@ -370,6 +432,7 @@ def decode_stream_kernel(
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    SEGMENT_LOOPS: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [cta_pos[c], cta_pos[c + 1]) (c * piece
     onwards; in deterministic mode moved up to a chunk boundary).
@@ -384,6 +447,12 @@ def decode_stream_kernel(
     loop per segment drained it at every segment: with many short requests that latency,
     not bandwidth, set the time). Each iteration reloads the segment's q rows (L1/L2 hits),
     which keeps every load of the loop a pipelined load.
+
+    SEGMENT_LOOPS: one pipelined loop per run instead (a segment's tiles in this range, or a
+    chunk in deterministic mode; ``_attend_tiles``), with the run's q rows loaded once before
+    it. Verify rows take it: their q tile is G x q_len rows, whose reload (and, for wgmma
+    dots, store to shared memory) every tile, with the walk's loop-carried state, cost more
+    than the pipeline drained at each run's end.
 
     A segment this CTA covers whole is written to ``out``; a cut one goes to partial slot
     2*c + (c is the segment's first CTA). Only the range's first and last segments can be
@@ -423,6 +492,11 @@ def decode_stream_kernel(
         # Tiles left in the chunk being walked (the range starts at a chunk boundary): a
         # countdown, so the loop tests the chunk's end without a division.
         chunk_left = chunk
+    else:
+        # No chunks: the walk carries these unused.
+        chunk = 1
+        chunk_base = 0
+        next_chunk = 1
     if MULTI_Q:
         q_start = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 2, mask=k < num_active, other=0)
         q_len = tl.load(active_req_ptr + ACTIVE_REQ_FIELDS * k + 3, mask=k < num_active, other=0)
@@ -435,6 +509,8 @@ def decode_stream_kernel(
         # A plain decode row's q row is b (``_query_start``): no second loop-carried copy of it.
         q_start = 0
         q_len = 1
+        next_q_start = 0
+        next_q_len = 1
         seg_window = window
     # Empty requests (seq_len 0: padded graph rows) are on no CTA's cost range; CTA c
     # writes zeros for requests c, c + C, ... among them. Their lengths are loaded now
@@ -454,75 +530,72 @@ def decode_stream_kernel(
     first_q_start = q_start
     first_q_len = q_len
 
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for c in tl.range(pos, end, num_stages=NUM_STAGES):
-        if c >= seg_lo + n_tiles:
-            # The next segment: the next KV head of this request, or the next request.
-            seg_lo = seg_lo + n_tiles
-            if h == NUM_KV_HEADS - 1:
-                h = 0
-                k = k + 1
-                b = next_b
-                seq_len = next_seq_len
-                nxt = active_req_ptr + ACTIVE_REQ_FIELDS * (k + 1)
-                next_b = tl.load(nxt, mask=k + 1 < num_active, other=0)
-                next_seq_len = tl.load(nxt + 1, mask=k + 1 < num_active, other=0)
-                if DETERMINISTIC:
-                    # The chunk length is needed at this tile, so it was loaded ahead; the
-                    # first partial slot only at the end of a chunk, tiles from here.
-                    chunk = next_chunk
-                    next_chunk = tl.load(nxt + 4, mask=k + 1 < num_active, other=1)
-                    chunk_base = tl.load(nxt - ACTIVE_REQ_FIELDS + 5, mask=k < num_active, other=0)
-                if MULTI_Q:
-                    q_start = next_q_start
-                    q_len = next_q_len
-                    next_q_start = tl.load(nxt + 2, mask=k + 1 < num_active, other=0)
-                    next_q_len = tl.load(nxt + 3, mask=k + 1 < num_active, other=0)
-                    seg_window = row_window(window, q_len)
-                first_tok, n_tiles = window_tiles(seq_len, seg_window, BLOCK_N)
-            else:
-                h = h + 1
+    if SEGMENT_LOOPS:
+        # One pipelined loop per run (a segment's tiles in this range; in deterministic mode a
+        # chunk), with the run's q rows loaded once before it.
+        c = pos
+        while c < end:
+            if c >= seg_lo + n_tiles:
+                (seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk, chunk_base, q_start, q_len,
+                 next_q_start, next_q_len, seg_window, first_tok, n_tiles) = _next_segment(
+                    active_req_ptr, num_active, seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk,
+                    chunk_base, q_start, q_len, next_q_start, next_q_len, seg_window, first_tok, n_tiles, window,
+                    NUM_KV_HEADS, BLOCK_N, MULTI_Q, DETERMINISTIC)
+            tile_begin = c - seg_lo
+            run_end = tl.minimum(end - seg_lo, n_tiles)
             if DETERMINISTIC:
-                chunk_left = chunk
-        tile = c - seg_lo
-        q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
-                    HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
-        tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
-        m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head, v_ptr + h.to(tl.int64) * stride_v_head,
-                                 stride_k_slot, stride_v_slot, page_table_ptr + b.to(tl.int64) * stride_pt,
-                                 first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
-                                 cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
-                                 MULTI_Q, TREE)
-        if DETERMINISTIC:
-            # The chunk's last tile: store it (whole if it is the segment), fresh accumulator after.
-            chunk_left -= 1
-            if (chunk_left == 0) | (tile == n_tiles - 1):
-                if n_tiles <= chunk:
-                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
-                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
-                else:
-                    _store_partial(o_part_ptr, lse_part_ptr, (chunk_base + tile // chunk) * NUM_KV_HEADS + h, q_len,
-                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                run_end = tl.minimum(run_end, tile_begin + chunk)
+            q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
+                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+            tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
+            acc, m, l = _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+                                      page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, q_len, tree, window,
+                                      first_tok, tile_begin, run_end, num_pages, qk_scale, cap_scale, G, ROWS,
+                                      PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
+            _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos, seg_lo,
+                       run_end - 1, n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
+                       NUM_KV_HEADS, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q,
+                       DETERMINISTIC)
+            c = seg_lo + run_end
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        for c in tl.range(pos, end, num_stages=NUM_STAGES):
+            if c >= seg_lo + n_tiles:
+                (seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk, chunk_base, q_start, q_len,
+                 next_q_start, next_q_len, seg_window, first_tok, n_tiles) = _next_segment(
+                    active_req_ptr, num_active, seg_lo, h, k, b, seq_len, next_b, next_seq_len, chunk, next_chunk,
+                    chunk_base, q_start, q_len, next_q_start, next_q_len, seg_window, first_tok, n_tiles, window,
+                    NUM_KV_HEADS, BLOCK_N, MULTI_Q, DETERMINISTIC)
+                if DETERMINISTIC:
+                    chunk_left = chunk
+            tile = c - seg_lo
+            q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
+                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+            tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
+            m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head,
+                                     v_ptr + h.to(tl.int64) * stride_v_head, stride_k_slot, stride_v_slot,
+                                     page_table_ptr + b.to(tl.int64) * stride_pt, first_tok + tile * BLOCK_N, seq_len,
+                                     q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS,
+                                     PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE)
+            if DETERMINISTIC:
+                # The chunk's last tile: store it, fresh accumulator after.
+                chunk_left -= 1
+                run_ends = (chunk_left == 0) | (tile == n_tiles - 1)
+            else:
+                # The segment's last tile in this range.
+                run_ends = tile == tl.minimum(end - seg_lo, n_tiles) - 1
+            if run_ends:
+                _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos,
+                           seg_lo, tile, n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
+                           NUM_KV_HEADS, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q,
+                           DETERMINISTIC)
                 m = tl.full([ROWS], float("-inf"), tl.float32)
                 l = tl.zeros([ROWS], tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-                chunk_left = chunk
-        else:
-            # The segment's last tile in this range: store it whole, or as a cut piece.
-            tile_end = tl.minimum(end - seg_lo, n_tiles)
-            if tile == tile_end - 1:
-                if (pos <= seg_lo) & (tile_end == n_tiles):
-                    _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
-                                 acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
-                else:
-                    # Slot 2c + 1 if the segment's first tile is in this range (c is its first CTA).
-                    _store_partial(o_part_ptr, lse_part_ptr, 2 * cta + (seg_lo >= pos).to(tl.int32), q_len,
-                                   acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
-                m = tl.full([ROWS], float("-inf"), tl.float32)
-                l = tl.zeros([ROWS], tl.float32)
-                acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+                if DETERMINISTIC:
+                    chunk_left = chunk
     # The loop ended in the range's last segment: cut at its end if it has tiles in and
     # past this range (and did not start before it: then it is the first one, counted).
     last_seg, last_seg_cta, last_seg_pieces = _fused_cut(b, h, seg_lo, n_tiles, piece, NUM_KV_HEADS,

@@ -110,7 +110,8 @@ def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_siz
     partial per step."""
     return dict(_shape_constants(num_kv_heads, group_size, head_dim, query), PAGE_SIZE=page_size,
                 BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
-                MERGE_ROWS=triton.next_power_of_2(query.slot_rows), EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl)
+                MERGE_ROWS=triton.next_power_of_2(query.slot_rows), EMPTY_SCAN=EMPTY_SCAN, USE_PDL=use_pdl,
+                SEGMENT_LOOPS=config.segment_loops)
 
 
 def _cache_strides(q, k_cache, v_cache, out, page_table):

@@ -278,6 +278,37 @@ def test_verify_tree_masks_and_layer_terms(no_tf32):
                         k_scale=0.05, v_scale=0.04)
 
 
+def test_deterministic_verify_rows_across_walks():
+    """deterministic=True, verify rows of 4 tokens (Qwen3-30B-A3B: 32 tile rows): one request of
+    100K tokens alone and in 12 random batches (B up to 2048) gives bitwise identical bytes,
+    whether its batch runs the row that walks one loop per segment or, with many short
+    segments, the one-loop row of the same tile."""
+    gen = torch.Generator().manual_seed(12)
+    pool, q_len = 2048, 4
+    pool_lens = [100_000] + [int(x) for x in torch.randint(q_len, 4_000, (pool - 1,), generator=gen)]
+    _, k, v, seq_lens, pt = build(pool_lens, 16, seed=13)
+    q, _ = verify_queries(pool_lens, q_len, HQ, D, gen)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", pool, pt.shape[1], deterministic=True,
+                                  max_q_len=q_len, max_total_tokens=k.shape[0])
+    cu1 = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    want = attn.run(attn.plan(seq_lens[:1], pt[:1], cu_seqlens_q=cu1, q_len=q_len), q[:q_len], k, v).clone()
+    check_verify_sample(want, q[:q_len], k, v, cu1, seq_lens[:1], pt[:1], 16, [0])
+    walks = {attn.launch_config(1, q_len)[0].segment_loops}
+    for i in range(12):
+        batch = pool if i == 0 else int(torch.randint(1, pool + 1, (1,), generator=gen))
+        rows = (torch.randperm(pool - 1, generator=gen)[:batch - 1] + 1).tolist()
+        pos = int(torch.randint(0, batch, (1,), generator=gen))
+        rows.insert(pos, 0)
+        q_rows = torch.tensor([r * q_len + t for r in rows for t in range(q_len)], device="cuda")
+        cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda")
+        idx = torch.tensor(rows, device="cuda")
+        plan = attn.plan(seq_lens[idx], pt[idx], cu_seqlens_q=cu, q_len=q_len)
+        walks.add(plan.config.segment_loops)
+        out = attn.run(plan, q[q_rows], k, v)
+        assert torch.equal(out[pos * q_len:(pos + 1) * q_len], want), (batch, pos, plan.config.name)
+    assert walks == {True, False}, walks
+
+
 def test_verify_rows_under_cuda_graphs():
     """Plan + run of verify rows captured once and replayed with new lengths and new query rows
     (vLLM's uniform-batch full graphs): equal to eager runs, bitwise."""
