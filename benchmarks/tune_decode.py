@@ -109,7 +109,9 @@ def main():
         scales = dict(k_scale=0.05, v_scale=0.05)
     q_len = args.q_len
     if args.configs == "tables" and q_len > 1:
-        configs = [evenkv.decode_config(a, d, page, rows=tile_rows(hq // hkv, q_len)) for a in ("sm80", "sm90")]
+        rows = tile_rows(hq // hkv, q_len)
+        many = [many_segments_config(a, d, page, rows=rows) for a in ("sm80", "sm90")]
+        configs = [evenkv.decode_config(a, d, page, rows=rows) for a in ("sm80", "sm90")] + [c for c in many if c]
     elif args.configs == "tables":
         # Every row at every point (each config is passed explicitly, so the many-segments
         # row runs at all batch sizes, not only where DecodeAttention would pick it).

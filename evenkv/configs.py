@@ -17,10 +17,9 @@ per SM that the compiled kernel's registers and shared memory allow, capped by
 ``max_ctas_per_sm`` (``evenkv.kernels.decode_launch.persistent_grid``).
 """
 
-import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -262,12 +261,13 @@ def same_tile(a: DecodeConfig, b: DecodeConfig) -> bool:
 
 def _one_loop(config: DecodeConfig) -> DecodeConfig:
     """A segment-loops row's tile walked in one loop across segments."""
-    return dataclasses.replace(config, name=f"{config.name}-one-loop", segment_loops=False)
+    return replace(config, name=f"{config.name}-one-loop", segment_loops=False)
 
 
 # Verify rows that walk one loop per segment drain their pipeline at every segment: batches of
 # many short segments take a row that walks one loop across segments (docs/tuning.md "Decode,
-# verify rows"). The same tile where it was timed best, else the tile the H200 preferred.
+# verify rows"): the row the bucket ran before segment loops, except head dim 128 at 128 rows,
+# whose 64-token tile in one loop was faster than that row at B = 256 and 2048.
 _DECODE_VERIFY_MANY_SEGMENTS = {
     "sm90": {
         "d64": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d64"].items() if cfg.segment_loops},
