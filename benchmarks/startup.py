@@ -1,10 +1,11 @@
-"""Cold start-up of evenkv's kernel builds: constructor plus ``warmup`` on an empty Triton cache.
+"""Start-up of evenkv's kernel builds: constructor plus ``warmup``, cold and warm.
 
 Each point runs in a fresh process with its own empty ``TRITON_CACHE_DIR``, after CUDA is
 initialised, and times ``evenkv.Attention(...)`` and ``Attention.warmup`` apart, counting the
 builds (Triton's post-compile hook), once building in this process only
-(``EVENKV_BUILD_PROCESSES=1``) and once in forked processes (the default). The order of the
-two alternates over repeats. Engine-like layer kinds:
+(``EVENKV_BUILD_PROCESSES=1``) and once in forked processes (the default); the order of the
+two alternates over repeats. Then a second fresh process on the same, now filled, cache times
+the warm start (``warm_*`` columns: every kernel loaded from the cache). Engine-like layer kinds:
 
 - ``vllm-like``: Qwen3-8B (32 / 8 heads, D 128, bf16), page 16, K|V halves of one cache tensor,
   up to 1024 requests, int32 lengths; the extend kernels built too (vLLM's default keeps FA3
@@ -13,7 +14,7 @@ two alternates over repeats. Engine-like layer kinds:
 - ``sglang-like``: Qwen3-30B-A3B (32 / 4 heads), page 1, new tokens in k_new / v_new, int32 and
   int64 lengths.
 
-    python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--out startup.csv]
+    python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--processes 1,16] [--out startup.csv]
 """
 
 import argparse
@@ -53,26 +54,34 @@ def measure(kind: str) -> dict:
     attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, dev, spec["batch"], 65536 // page,
                             max_decode_q_len=spec["q_len"])
     t1 = time.perf_counter()
+    constructor_builds = len(builds)
     attn.warmup(q, k_cache, v_cache, k_new=new, v_new=new, out=torch.empty_like(q),
                 index_dtypes=(torch.int32, torch.int64) if spec["int64"] else (torch.int32,))
     t2 = time.perf_counter()
     return dict(constructor_s=round(t1 - t0, 3), warmup_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3),
-                builds=len(builds))
+                builds=len(builds), constructor_builds=constructor_builds)
+
+
+COLUMNS = ("constructor_s", "warmup_s", "total_s", "builds", "constructor_builds")
 
 
 def run_child(kind: str, processes: str) -> dict:
-    """One point in a fresh process with an empty Triton cache: ``measure``'s dict plus a status."""
+    """One point: a fresh process on an empty Triton cache, then one on the cache it filled.
+    ``measure``'s dict, its ``warm_`` copy, and a status."""
+    row = {}
     with tempfile.TemporaryDirectory(prefix="evenkv-startup-") as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         if processes == "1":
             env["EVENKV_BUILD_PROCESSES"] = "1"
         else:
             env.pop("EVENKV_BUILD_PROCESSES", None)
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", kind], capture_output=True,
-                              text=True, env=env)
-    if proc.returncode != 0:
-        return dict(status="error: " + proc.stderr.strip().splitlines()[-1][:200])
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), status="ok")
+        for prefix in ("", "warm_"):
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--child", kind], capture_output=True,
+                                  text=True, env=env)
+            if proc.returncode != 0:
+                return dict(row, status=f"error ({prefix or 'cold'}): " + proc.stderr.strip().splitlines()[-1][:200])
+            row.update({prefix + k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()})
+    return dict(row, status="ok")
 
 
 def main(argv=None):
@@ -80,6 +89,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--processes", default="1,forked",
+                    help="build processes per point, comma list: 1 (in-process) and/or forked (the default count)")
     ap.add_argument("--out", default="startup.csv")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -87,15 +98,14 @@ def main(argv=None):
         print(json.dumps(measure(args.child)))
         return
     from evenkv.kernels.launching import build_processes
-    forked = str(build_processes())
+    modes = [str(build_processes()) if p == "forked" else p for p in args.processes.split(",")]
     rows = []
     for kind in args.kinds.split(","):
         for repeat in range(args.repeats):
-            order = ["1", forked] if repeat % 2 == 0 else [forked, "1"]
-            for processes in order:
+            for processes in modes if repeat % 2 == 0 else modes[::-1]:
                 row = dict(kind=kind, repeat=repeat + 1, build_processes=processes, **run_child(kind, processes))
                 print(json.dumps(row), flush=True)
-                rows.append(dict(row, **{k: row.get(k, "") for k in ("constructor_s", "warmup_s", "total_s", "builds")}))
+                rows.append(dict(row, **{p + k: row.get(p + k, "") for p in ("", "warm_") for k in COLUMNS}))
                 write_csv(args.out, rows)  # after every point: a run cut short keeps what it measured
 
 

@@ -235,7 +235,6 @@ class Attention:
         self.warmed_up = True
 
     def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, sinks, index_dtypes) -> None:
-        self.decode.warmup(q, k_cache, v_cache, out=out, sinks=sinks, index_dtypes=index_dtypes)
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
@@ -257,6 +256,8 @@ class Attention:
                     sm_scale=self.sm_scale, causal=True, window=self.sliding_window, logit_cap=self.logit_cap,
                     block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
                     num_stages=config.num_stages, sinks=sinks, warmup=True)
+        # Last: its grids need its decode kernels built, which builds everything held so far.
+        self.decode.warmup(q, k_cache, v_cache, out=out, sinks=sinks, index_dtypes=index_dtypes)
 
     def plan(self, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, *,
              num_decodes: int, max_q_len: int, max_seq_len: int | None = None,

@@ -61,7 +61,9 @@ class DecodeAttention:
         policy: ``"balanced"`` (default), ``"fa3"`` or ``"none"`` (``evenkv.planning``).
         sm_scale: default softmax scale of ``run``, 1/sqrt(D) if None.
         arch: ``"sm80"`` or ``"sm90"`` config table; default from the device (or EVENKV_ARCH).
-        num_ctas: persistent grid size; default SM count x resident CTAs per SM.
+        num_ctas: persistent grid size; default SM count x the resident CTAs per SM of the
+            built decode kernel, set by ``warmup`` (or the first plan; until then, and in
+            ``self.num_ctas``, the config's cap).
         config: a DecodeConfig replacing the arch table's (tuning and tests).
             Unless ``config`` or ``num_ctas`` is given, the balanced policy plans batches of
             many short segments with the table's second row and its own grid
@@ -169,20 +171,25 @@ class DecodeAttention:
         if self._kind == "stream" and self._forced_config is None and num_ctas is None:
             many_configs = [self._many_segments_config(bucket, config, deterministic)
                             for bucket, config in zip(buckets, configs)]
-        probes = [(config, self._query(bucket)) for config, bucket in zip(configs, buckets)]
-        probes += [(many, self._query(bucket)) for many, bucket in zip(many_configs, buckets) if many is not None]
-        grids = [num_ctas] * len(probes) if num_ctas is not None else self._default_grids(probes)
-        many_grids = iter(grids[len(buckets):])
-        for bucket, config, grid, many in zip(buckets, configs, grids, many_configs):
-            self._variants[bucket] = (config, grid, None if many is None else (many, next(many_grids)))
-        self.num_ctas = self._variants[buckets[0]][1]
-        self._max_ctas = max(max(grid, many[1] if many else 0) for _, grid, many in self._variants.values())
+        # (bucket, main row, many-segments row or None) per q-length bucket, and the rows whose
+        # decode kernel sets a grid: the main rows, then the many-segments rows.
+        self._rows = list(zip(buckets, configs, many_configs))
+        self._probes = [(config, self._probe_query(bucket)) for bucket, config, _ in self._rows]
+        self._probes += [(many, self._probe_query(bucket)) for bucket, _, many in self._rows if many is not None]
+        # A variant's persistent grid is SMs x the resident CTAs per SM of its decode kernel,
+        # known once the kernel is built. Until warmup (or the first plan) builds it, each grid
+        # is its config's cap, which also sizes the buffers: the built kernel's grid is never
+        # larger. So a start-up builds every kernel in one batch, not the decode kernels first.
+        if num_ctas is not None:
+            grids = [num_ctas] * len(self._probes)
+        elif not self._on_gpu:
+            grids = [self.num_sms * INTERPRETER_CTAS_PER_SM] * len(self._probes)
+        else:
+            grids = [self.num_sms * config.max_ctas_per_sm for config, _ in self._probes]
+        self._grids_resolved = num_ctas is not None or not self._on_gpu
+        self._max_ctas = max(grids)
         self._schedule = self._allocate_schedule()
-        # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
-        grids = {grid for _, grid, _ in self._variants.values()} | {
-            many[1] for _, _, many in self._variants.values() if many}
-        self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
-                                for c in grids} if self._kind == "stream" else {}
+        self._set_grids(grids)
         self._merge_units_grid = self.num_sms * launch.MERGE_UNITS_CTAS_PER_SM
         # The most splits (chunks) of a request merge_units_kernel merges in items of all its
         # head-dim columns; the planners list requests of more apart.
@@ -196,6 +203,44 @@ class DecodeAttention:
 
     def _query(self, bucket: int, tree: bool = False) -> launch.QueryRows:
         return launch.QueryRows(bucket, self._slot_rows, tree)
+
+    def _probe_query(self, bucket: int) -> launch.QueryRows:
+        """The rows of the bucket's kernel that sets its grid: tree-masked where the object's
+        rows of several tokens carry tree masks (the variant those batches launch)."""
+        return self._query(bucket, self.tree_masks and bucket > 1)
+
+    def _set_grids(self, grids: list[int]) -> None:
+        """Give each variant its persistent grid: ``grids`` [len(self._probes)], the main rows'
+        in bucket order, then the many-segments rows'."""
+        many_grids = iter(grids[len(self._rows):])
+        self._grids = list(grids)
+        self._variants = {bucket: (config, grid, None if many is None else (many, next(many_grids)))
+                          for (bucket, config, many), grid in zip(self._rows, grids)}
+        self.num_ctas = grids[0]
+        if self._schedule is not None:
+            self._schedule = dataclasses.replace(self._schedule, num_ctas=self.num_ctas)
+        # The stream plan's view of the shared buffers for each grid, made once (plan is a hot path).
+        self._grid_schedules = {c: dataclasses.replace(self._schedule, num_ctas=c)
+                                for c in set(grids)} if self._kind == "stream" else {}
+
+    def _resolve_grids(self, kernels: list | None = None) -> bool:
+        """Set each variant's grid from its built decode kernel: SMs x its resident CTAs per SM,
+        at most its config's cap. kernels: [len(self._probes)] as ``_compile`` returned them
+        (possibly held builds), or None to build them here for a one-page layout. Once per
+        object; returns whether a grid changed."""
+        if self._grids_resolved:
+            return False
+        if kernels is None:
+            t = self._dummy_inputs()
+            with parallel_compiles():
+                kernels = [self._compile(config, t, query) for config, query in self._probes]
+        grids = [self.num_sms * min(launch.resident_ctas_per_sm(compiled_kernel(kernel), self.device),
+                                    config.max_ctas_per_sm) for kernel, (config, _) in zip(kernels, self._probes)]
+        self._grids_resolved = True
+        if grids == self._grids:
+            return False
+        self._set_grids(grids)
+        return True
 
     def _bucket_config(self, bucket: int) -> DecodeConfig:
         """The config of rows of up to ``bucket`` query tokens: the table's decode row for plain
@@ -221,14 +266,14 @@ class DecodeAttention:
             return StreamSchedule(torch.zeros(b, ACTIVE_REQ_FIELDS.value, **i32), torch.zeros(self._max_ctas, 4, **i32),
                                   torch.zeros(self._max_ctas + 1, **i32), torch.zeros(PLAN_SCALARS, **i32),
                                   torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(b, **i32),
-                                  torch.zeros(2, **i32), self.num_ctas)
+                                  torch.zeros(2, **i32), self._max_ctas)
         if self._kind == "units":
             units = fa3_unit_capacity(b, self.num_sms)
             # queue [2] int32: next unit, CTAs done; the kernel's last CTA resets both to 0.
             self._queue = torch.zeros(2, **i32)
             return UnitSchedule(torch.zeros(units, **i32), torch.zeros(units, **i32), torch.zeros(b, **i32),
                                 torch.zeros(b, **i32), torch.zeros(b, **i32), torch.zeros(1, **i32),
-                                torch.zeros(b + 1, **i32), torch.zeros(2, **i32), self.num_ctas)
+                                torch.zeros(b + 1, **i32), torch.zeros(2, **i32), self._max_ctas)
         return None
 
     def _partial_slots(self) -> int:
@@ -257,7 +302,9 @@ class DecodeAttention:
         """(config, persistent grid) that ``plan`` uses for a batch of ``batch_size`` requests of
         up to ``q_len`` query tokens: the q-length bucket's many-segments row where it has one
         and the batch has at least MANY_SEGMENTS_PER_CTA (request, KV head) segments per CTA of
-        the main grid; else the bucket's row."""
+        the main grid; else the bucket's row. Before ``warmup``, the first call builds the decode
+        kernels that set the grids."""
+        self._resolve_grids()
         config, grid, many = self._variants[self._bucket(q_len)]
         if many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
             return many
@@ -269,17 +316,6 @@ class DecodeAttention:
         if self.deterministic:
             return next(iter(self._variants))
         return next(bucket for bucket in self._variants if bucket >= q_len)
-
-    def _default_grids(self, variants: list[tuple[DecodeConfig, launch.QueryRows]]) -> list[int]:
-        """For each (config, rows) variant: SMs x the resident CTAs per SM of its decode kernel.
-        The kernels compile in parallel: start-up waits for the slowest, not for their sum."""
-        if not self._on_gpu:
-            return [self.num_sms * INTERPRETER_CTAS_PER_SM] * len(variants)
-        t = self._dummy_inputs()
-        with parallel_compiles():
-            pending = [self._compile(config, t, query) for config, query in variants]
-        return [self.num_sms * min(launch.resident_ctas_per_sm(compiled_kernel(kernel), self.device),
-                                   config.max_ctas_per_sm) for kernel, (config, _) in zip(pending, variants)]
 
     def _dummy_inputs(self) -> dict:
         """Tensors shaped like a one-request batch (q [1, Hq, D], caches of one page)."""
@@ -322,6 +358,25 @@ class DecodeAttention:
                                           self._errors, terms, query, 1, self._kind == "units", self.page_size, config,
                                           warmup=True)
 
+    def _compile_plans(self, page_table: torch.Tensor, index_dtypes: tuple) -> None:
+        """Compile the page-audit kernel and (stream) every variant's plan kernel, for each
+        batch-size bucket and length dtype in ``index_dtypes``, at the variants' current grids.
+        page_table: [1, 1] int32."""
+        plans = [(config, grid, bucket > 1) for bucket, (config, grid, _) in self._variants.items()]
+        plans += [(many[0], many[1], bucket > 1) for bucket, (_, _, many) in self._variants.items() if many]
+        for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
+            for dtype in index_dtypes:
+                lens = torch.zeros(block_b, dtype=dtype, device=self.device)
+                plan_launch.launch_audit_pages(lens, self._row_per_request, page_table, self._errors, 1,
+                                               self.page_size, self.num_sms, self.max_batch_size,
+                                               self.sliding_window or 0, warmup=True)
+                for config, ctas, multi_q in plans if self._kind == "stream" else []:
+                    plan_launch.launch_plan_stream(
+                        lens, self._row_per_request, self._plan_seq_lens, self._grid_schedules[ctas], self._errors, 1,
+                        self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads, config.block_n,
+                        self.max_batch_size, self.num_ctas, self._chunking(config) if self.deterministic else None,
+                        warmup=True)
+
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                out: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                index_dtypes: tuple = INDEX_DTYPES) -> None:
@@ -340,30 +395,25 @@ class DecodeAttention:
         t = dict(q=q, k_cache=as_slots("k_cache", k_cache), v_cache=as_slots("v_cache", v_cache),
                  out=out if out is not None else q, sinks=sinks,
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
-        s = self._schedule
-        plans = []  # (config, grid, multi-token rows) the stream plan kernel is launched for
         # Every count a plan may name lands in some bucket; rows of several tokens carry tree
         # masks where the object takes them.
         counts = range(1, self.max_q_len + 1)
+        probes = {}  # (bucket, many-segments row?) -> the decode kernel that sets its grid
         with parallel_compiles():
-            for bucket, (config, grid, many) in self._variants.items():
-                rows = [(config, grid)] + ([many] if many is not None else [])
-                for row_config, row_grid in rows:
+            for bucket, (config, _, many) in self._variants.items():
+                for row_config, is_many in [(config, False)] + ([(many[0], True)] if many is not None else []):
                     for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
-                        self._compile(row_config, t, self._query(bucket, tree), merge=True)
-                    plans.append((row_config, row_grid, bucket > 1))
-            for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
-                for dtype in index_dtypes:
-                    lens = torch.zeros(block_b, dtype=dtype, device=self.device)
-                    plan_launch.launch_audit_pages(lens, self._row_per_request, t["page_table"], self._errors, 1,
-                                                   self.page_size, self.num_sms, self.max_batch_size,
-                                                   self.sliding_window or 0, warmup=True)
-                    for config, ctas, multi_q in plans if self._kind == "stream" else []:
-                        plan_launch.launch_plan_stream(
-                            lens, self._row_per_request, self._plan_seq_lens, dataclasses.replace(s, num_ctas=ctas),
-                            self._errors, 1, self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads,
-                            config.block_n, self.max_batch_size, self.num_ctas,
-                            self._chunking(config) if self.deterministic else None, warmup=True)
+                        kernel = self._compile(row_config, t, self._query(bucket, tree), merge=True)
+                        if tree == self._probe_query(bucket).tree:
+                            probes[bucket, is_many] = kernel
+            self._compile_plans(t["page_table"], index_dtypes)
+        # Inside an enclosing parallel_compiles (Attention.warmup) the builds are still held:
+        # asking for the grids' kernels runs every held build, in one batch.
+        order = [(bucket, False) for bucket, _, _ in self._rows]
+        order += [(bucket, True) for bucket, _, many in self._rows if many is not None]
+        if self._resolve_grids([probes[key] for key in order]):
+            with parallel_compiles():  # the plan kernels were built for the caps' grids
+                self._compile_plans(t["page_table"], index_dtypes)
         self.warmed_up = True
 
     # -- plan -------------------------------------------------------------------

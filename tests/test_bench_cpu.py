@@ -994,8 +994,9 @@ def test_prefill_engine_paths_fall_back_to_the_triton_extend_without_an_engine_f
 
 def test_startup_benchmark_alternates_the_build_modes_and_keeps_a_failed_point(tmp_path):
     """benchmarks/startup.py's parent loop on a machine without CUDA: every point runs in its own
-    process, in-process and forked builds alternate by repeat, and a point that fails is a CSV
-    row whose status says why, written as it finishes."""
+    process, in-process and forked builds alternate by repeat (``--processes`` picks them), and
+    a point that fails is a CSV row whose status says why and when (cold or warm start),
+    written as it finishes."""
     out = tmp_path / "s.csv"
     p = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--kinds", "vllm-like", "--repeats", "2",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -1005,7 +1006,13 @@ def test_startup_benchmark_alternates_the_build_modes_and_keeps_a_failed_point(t
     from evenkv.kernels.launching import build_processes
     forked = str(build_processes())
     assert [(r["repeat"], r["build_processes"]) for r in rows] == [("1", "1"), ("1", forked), ("2", forked), ("2", "1")]
-    assert all(r["status"].startswith("error: ") and r["total_s"] == "" for r in rows), [r["status"] for r in rows]
+    assert all(r["status"].startswith("error (cold): ") and r["total_s"] == r["warm_total_s"] == "" for r in rows), \
+        [r["status"] for r in rows]
+    p = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--kinds", "sglang-like", "--repeats", "1",
+                        "--processes", "forked", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=REPO, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [(r["kind"], r["build_processes"]) for r in csv.DictReader(open(out))] == [("sglang-like", forked)]
 
 
 def test_tune_decode_parses_config_names():

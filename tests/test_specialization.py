@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import evenkv
+from evenkv.kernels import plan_launch
 from evenkv.kv_cache import warmup_write_kv
 
 
@@ -154,17 +155,17 @@ def test_speculative_batches_compile_nothing_after_warmup(device, recorder, engi
         assert not {key for key in recorder.compiled if key[0] == "decode_stream_kernel" and key not in launched}
 
 
-def test_grid_probes_compile_in_parallel(device, monkeypatch):
-    """On the GPU the constructor sizes each variant's persistent grid from its compiled decode
-    kernel (registers, shared memory). Those compiles run together, in one parallel-compile
-    block, and each grid comes from its own variant's kernel, also when a build is still in
-    flight (a future) when the block hands it back."""
+def _as_on_gpu(attn, monkeypatch):
+    """Make an interpreter object behave as one on the GPU before its first build: each grid at
+    its config's cap, unresolved, and decode builds that come back as futures whose kernel of
+    the i-th build fits i CTAs per SM. Returns (the parallel-compile mode of each decode build,
+    the builds whose result was asked for, each decode build's CTAs per SM by (config name,
+    max_q_len), the (mode, grids) of each plan-kernel build)."""
     from triton.runtime._async_compile import active_mode
 
     from evenkv.kernels import decode_launch
 
-    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 4, max_q_len=4)
-    modes, built = [], []
+    modes, built, plans, ctas_of = [], [], [], {}
 
     class InFlight:
         def __init__(self, ctas):
@@ -176,17 +177,56 @@ def test_grid_probes_compile_in_parallel(device, monkeypatch):
 
     def compile_decode(config, t, query, merge=False):
         modes.append(active_mode.get())
-        return InFlight(len(modes))  # variant i's kernel fits i CTAs per SM
+        ctas_of[config.name, query.max_q_len] = len(modes)
+        return InFlight(len(modes))
 
-    monkeypatch.setattr(attn, "_on_gpu", True)
+    def compile_plans(page_table, index_dtypes):
+        plans.append((active_mode.get(), list(attn._grids)))
+
     monkeypatch.setattr(attn, "_compile", compile_decode)
+    monkeypatch.setattr(attn, "_compile_plans", compile_plans)
     monkeypatch.setattr(decode_launch, "resident_ctas_per_sm", lambda kernel, dev: kernel.ctas)
-    variants = [(config, attn._query(bucket)) for bucket, (config, _, _) in attn._variants.items()]
-    assert len(variants) == 3  # q-length buckets 1, 2 and 4
-    grids = attn._default_grids(variants)
-    assert modes[0] is not None and all(mode is modes[0] for mode in modes)
-    assert built == [1, 2, 3]
-    assert grids == [attn.num_sms * min(i + 1, config.max_ctas_per_sm) for i, (config, _) in enumerate(variants)]
+    attn._set_grids([attn.num_sms * config.max_ctas_per_sm for config, _ in attn._probes])
+    attn._grids_resolved = False
+    return modes, built, ctas_of, plans
+
+
+def test_warmup_builds_everything_in_one_batch_then_sets_grids(device, monkeypatch):
+    """On the GPU a variant's persistent grid comes from its built decode kernel (registers,
+    shared memory), so the constructor builds nothing: each grid is its config's cap until
+    ``warmup``, which submits every build (decode, merge, plan) to one parallel-compile batch,
+    then sets each grid from its own variant's kernel, and builds the plan kernels again, in a
+    second batch, only where a grid changed."""
+    q, _, _, k_cache, v_cache = _tensors(device, 16)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 4, max_q_len=4)
+    modes, built, ctas_of, plans = _as_on_gpu(attn, monkeypatch)
+    caps = list(attn._grids)
+    attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+    assert modes[0] is not None and all(mode is modes[0] for mode in modes) and plans[0][0] is modes[0]
+    assert plans[0][1] == caps, "the first plan builds are for the caps' grids, in the same batch"
+    assert {query.max_q_len for _, query in attn._probes} == {1, 2, 4}
+    assert sorted(built) == sorted(ctas_of[config.name, query.max_q_len] for config, query in attn._probes)
+    expected = [attn.num_sms * min(ctas_of[config.name, query.max_q_len], config.max_ctas_per_sm)
+                for config, query in attn._probes]
+    assert attn._grids == expected and expected != caps
+    assert attn.num_ctas == expected[0] and attn.launch_config(1) == (attn._probes[0][0], expected[0])
+    assert len(plans) == 2 and plans[1][0] is not modes[0] and plans[1][1] == expected
+    assert set(attn._grid_schedules) == set(expected) and attn._schedule.num_ctas == expected[0]
+
+
+def test_first_plan_before_warmup_builds_the_grids_kernels(device, monkeypatch):
+    """A plan before ``warmup`` (the functional API, a user who never warms up) builds the
+    decode kernels that set the grids, in one batch, and plans on the grids they give."""
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 4)
+    modes, built, _, plans = _as_on_gpu(attn, monkeypatch)
+    monkeypatch.setattr(plan_launch, "launch_plan_stream", lambda *args, **kwargs: None)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    plan = attn.plan(torch.full((2,), 40, dtype=torch.int32, device=device), table)
+    assert len(modes) == len(attn._probes) == 2 and modes[0] is modes[1] is not None and sorted(built) == [1, 2]
+    assert plan.schedule.num_ctas == attn.num_ctas == attn.num_sms * 1
+    assert not plans, "plan kernels compile when launched, not ahead"
+    attn.plan(torch.full((2,), 40, dtype=torch.int32, device=device), table)
+    assert len(modes) == 2, "grids are set once"
 
 
 def test_plans_of_every_grid_share_one_plan_kernel(device, recorder):

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +183,10 @@ class EvenKVAttnBackend(AttentionBackend):
         # Server flag or EVENKV_DETERMINISTIC, as the Attention objects resolved it.
         self.deterministic = next(iter(self.attentions.values())).deterministic
         self.errors = ErrorWatcher(self.device)  # polled once per step: logs bad batch data, never syncs
+        start = time.perf_counter()
         self._warmup()
+        logger.info("evenkv: kernels of %d attention object(s) built or loaded in %.2f s", len(self.attentions),
+                    time.perf_counter() - start)
         i32 = dict(dtype=torch.int32, device=self.device)
         # cu_seqlens_q of every decode batch: request i owns q row i.
         self._decode_cu_seqlens = torch.arange(max_batch_size + 1, **i32)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -375,9 +376,13 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
                         "extend rows run on %s", len(impls), kind, attention.decode_reason, verify_reason,
                         attention.prefill_reason)
         self.errors = ErrorWatcher(device)  # polled once per step: logs bad batch data, never syncs
+        self._query_dtype = model_config.dtype
+        self._warmed_up = False  # every Attention of this builder warmed up (_warm_up_before_planning)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> EvenKVMetadata:
+        if not self._warmed_up:
+            self._warm_up_before_planning()
         if not fast_build:  # a drafter's builds come between two steps of the target, which poll
             self.errors.poll()
         cam = common_attn_metadata
@@ -407,6 +412,27 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens, decode_q_len=decode_q_len, query_start_loc=cam.query_start_loc,
             seq_lens=cam.seq_lens, block_table=block_table, slot_mapping=cam.slot_mapping, plans=plans)
+
+    def _warm_up_before_planning(self) -> None:
+        """Warm up each Attention on a bound cache of its layers before its first plan. vLLM
+        builds the metadata of its warm-up runs before their forward, and a plan before warm-up
+        would build the decode kernels that set the grids alone, then warm-up the rest: one batch
+        of builds instead of two at start-up. Layers not bound yet leave it to the forward."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, self.layer_names).values()
+        for kind, attention in self.attentions.items():
+            for layer in layers:
+                impl, cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+                cache = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
+                if attention.warmed_up or not isinstance(impl, EvenKVImpl) or impl.kind != kind:
+                    continue
+                if isinstance(cache, torch.Tensor) and cache.numel():
+                    query = torch.empty(1, impl.num_heads, impl.head_size, dtype=self._query_dtype,
+                                        device=cache.device)
+                    impl._warm_up([attention], query, cache, torch.empty_like(query))
+        self._warmed_up = all(attention.warmed_up for attention in self.attentions.values())
 
     def _decode_rows(self, cam: CommonAttentionMetadata, num_decodes: int, num_prefills: int) -> tuple[int, int]:
         """(the most query tokens of one of the first num_decodes requests, their query tokens),
@@ -593,8 +619,11 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         if not pending or graph_capturing():
             return
         k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        start = time.perf_counter()
         for attention in pending:
             attention.warmup(query, k_cache, v_cache, out=output, sinks=self.sinks, index_dtypes=(VLLM_INDEX_DTYPE,))
+        logger.info("evenkv: kernels of %d attention object(s) built or loaded in %.2f s", len(pending),
+                    time.perf_counter() - start)
 
 
 __all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "LayerKind",

@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import contextlib
+import hashlib
+import multiprocessing
 import os
 import signal
 import time
@@ -98,7 +100,8 @@ class ForkedBuilds(AsyncCompileMode or object):
     given target makes no CUDA call, so the children never touch the parent's CUDA context),
     then runs every build again in this process, where it loads the children's binaries from
     that cache. A build no child finished (a failure, a timeout, a cache that stores nothing)
-    compiles here, raising its error where Triton's own mode raises it."""
+    compiles here, raising its error where Triton's own mode raises it. When the cache already
+    holds every held build (``in_disk_cache``), nothing forks: each is loaded here."""
 
     def __init__(self, processes: int):
         super().__init__(executor=None)
@@ -117,7 +120,10 @@ class ForkedBuilds(AsyncCompileMode or object):
 
     def build_held(self) -> None:
         held, self.held = self.held, []
-        if self.processes > 1 and len(held) > 1 and hasattr(os, "fork") and not _always_compile():
+        # A warm cache makes every build a load: forking (tens of ms per child of an engine's
+        # large process) would cost more than the loads.
+        if (self.processes > 1 and len(held) > 1 and hasattr(os, "fork") and not _always_compile()
+                and not all(in_disk_cache(future._key) for _, future in held)):
             build_in_children([compile_fn for compile_fn, _ in held], self.processes)
         for compile_fn, future in held:
             try:
@@ -126,9 +132,29 @@ class ForkedBuilds(AsyncCompileMode or object):
                 future.set_exception(error)
 
     def __exit__(self, exc_type, exc_value, traceback):
-        if exc_type is None:
-            self.build_held()
-        return super().__exit__(exc_type, exc_value, traceback)
+        try:
+            if exc_type is None:
+                self.build_held()
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:  # Triton's exit leaves the mode active when a build raised
+            active_mode.set(None)
+
+
+def in_disk_cache(key: str) -> bool:
+    """Whether Triton's file cache holds the build of this async-compile key (the group file
+    ``triton.compile`` writes in the key's folder), so that building it is a load. False for a
+    cache manager other than Triton's file cache, where that layout is unknown."""
+    import triton
+    from triton.runtime import cache
+
+    folder_name = getattr(cache, "_base32", None)
+    if not isinstance(key, str) or triton.knobs.cache.manager_class is not None or not triton.knobs.cache.dir or folder_name is None:
+        return False
+    folder = os.path.join(triton.knobs.cache.dir, folder_name(hashlib.sha256(key.encode("utf-8")).hexdigest()))
+    try:
+        return any(name.startswith("__grp__") for name in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def _always_compile() -> bool:
@@ -138,23 +164,30 @@ def _always_compile() -> bool:
 
 
 def build_in_children(builds: list, processes: int) -> None:
-    """Run the callables ``builds`` in up to ``processes`` forked children, round-robin, and wait
-    for them. What the builds return or raise stays in the children: their effect is Triton's
-    disk cache."""
+    """Run the callables ``builds`` in up to ``processes`` forked children and wait for them.
+    Each child takes the next build not yet taken (a shared counter) until none is left, so a
+    child done with a short build takes another while a long one runs elsewhere. What the
+    builds return or raise stays in the children: their effect is Triton's disk cache."""
+    next_build = multiprocessing.get_context("fork").Value("i", 0)
     children = []
     with warnings.catch_warnings():  # Python >= 3.12 warns on fork in a threaded process
         warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-        for share in (builds[i::processes] for i in range(min(processes, len(builds)))):
+        for _ in range(min(processes, len(builds))):
             pid = os.fork()
             if pid == 0:  # the child: build, then leave without running the parent's exit handlers
-                status = 0
                 try:
-                    for build in share:
-                        build()
-                except BaseException:
-                    status = 1
+                    while True:
+                        with next_build.get_lock():
+                            index = next_build.value
+                            next_build.value += 1
+                        if index >= len(builds):
+                            break
+                        try:
+                            builds[index]()
+                        except BaseException:  # the parent builds it again and raises there
+                            pass
                 finally:
-                    os._exit(status)
+                    os._exit(0)
             children.append(pid)
     deadline = time.monotonic() + CHILD_BUILD_TIMEOUT_S
     for pid in children:

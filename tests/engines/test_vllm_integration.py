@@ -1016,6 +1016,26 @@ def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, devi
     assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
 
 
+def test_first_build_warms_up_on_the_bound_cache(cpu_platform, checkpoints, device, monkeypatch, recorder):  # noqa: F811
+    """vLLM builds a warm-up run's metadata before its forward: the builder's first build warms
+    its Attention up on a bound cache of its layers (so that the warm-up builds every kernel in
+    one batch, the grids' decode kernels with the rest), and leaves it to the forward while
+    the layers hold vLLM's placeholder."""
+    import dataclasses
+
+    config = make_vllm_config(checkpoints["qwen3-8b-heads"], attention_backend="CUSTOM", dtype="bfloat16")
+    layer = _attention_layer_of_rank(config, "qwen3", 1, monkeypatch)
+    kv_spec = dataclasses.replace(layer.get_kv_cache_spec(config), block_size=BLOCK)
+    builder = EvenKVMetadataBuilder(kv_spec, [layer.layer_name], config, device)
+    cam = _cam([1, 1], [20, 33], device)
+    builder.build(0, cam)  # placeholder cache: nothing to warm up on
+    assert not attention_of(builder).warmed_up and not recorder.compiled
+    layer.kv_cache = _vllm_kv_cache(64, torch.bfloat16, device, 8, 128)
+    builder.build(0, cam)
+    assert attention_of(builder).warmed_up
+    assert {"decode_stream_kernel", "merge_stream_kernel", "plan_stream_kernel"} <= {k[0] for k in recorder.compiled}
+
+
 # -- GPU lane ----------------------------------------------------------------------------
 
 

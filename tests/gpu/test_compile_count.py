@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import evenkv
+from evenkv.kernels import decode_launch
 from evenkv.kv_cache import warmup_write_kv
 from evenkv.kernels.reference import decode_reference
 from evenkv.testing import random_paged_batch
@@ -76,11 +77,11 @@ def test_no_compilation_after_warmup(compiles, page_size, new_tokens, gpt_oss):
 
 
 def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
-    """On an empty disk cache, every build of the constructor and the warm-up happens in a forked
-    child: this process only loads the children's binaries (Triton's compile listener sees a
+    """On an empty disk cache, the constructor builds nothing and every build of the warm-up
+    happens in a forked child: this process only loads the children's binaries (Triton's compile listener sees a
     cache hit for each), and the object then decodes a batch correctly without a build. A
     shape nothing else in this process built (5 q / 1 KV heads of 96) keeps the in-memory
-    kernel caches out of it."""
+    kernel caches out of it. The persistent grids come from the built decode kernels."""
     import triton
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
     monkeypatch.setenv("EVENKV_BUILD_PROCESSES", "4")
@@ -90,8 +91,14 @@ def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
     q, k_cache, v_cache, seq_lens, table = random_paged_batch([1, 300, 0, 1000], hq, hkv, d, page, torch.bfloat16,
                                                               "cuda", seed=3)
     attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cuda", 8, table.shape[1])
+    assert compiles == [], "the constructor builds nothing: the warm-up builds everything in one batch"
     attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
     assert len(compiles) >= 5 and len(hits) == len(compiles), (compiles, hits)
+    decode = attn.decode
+    for (config, query), grid in zip(decode._probes, decode._grids):
+        kernel = decode._compile(config, decode._dummy_inputs(), query)
+        resident = decode_launch.resident_ctas_per_sm(kernel, decode.device)
+        assert grid == decode.num_sms * min(resident, config.max_ctas_per_sm), (config.name, grid, resident)
     assert all(hits), f"built in this process, not loaded from a child's build: {hits}"
     compiles.clear()
     cu = torch.arange(5, dtype=torch.int32, device="cuda")
@@ -100,3 +107,39 @@ def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
     ref = decode_reference(q, k_cache, v_cache, seq_lens, table, page)
     base = (lowp_decode(q, k_cache, v_cache, seq_lens, table, page).float() - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * base + TOLERANCE_FLOOR[q.dtype]
+
+
+def test_warm_disk_cache_loads_without_forking(compiles, tmp_path, monkeypatch):
+    """A warm-up whose every build is in the disk cache (a kept TRITON_CACHE_DIR) forks no child:
+    the async-compile keys evenkv probes (``launching.in_disk_cache``) are where
+    ``triton.compile`` stores its builds. The in-memory kernel caches are emptied between the
+    two warm-ups, as in a fresh process."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    from evenkv.kernels import decode, extend, kv_write, launching, plan
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setenv("EVENKV_BUILD_PROCESSES", "4")
+    forks = []
+    build_in_children = launching.build_in_children
+    monkeypatch.setattr(launching, "build_in_children", lambda builds, n: (forks.append(len(builds)),
+                                                                             build_in_children(builds, n)))
+    hq, hkv, d, page = 7, 1, 80, 16
+    q, k_cache, v_cache, _, table = random_paged_batch([1, 300], hq, hkv, d, page, torch.bfloat16, "cuda", seed=4)
+
+    def warm_up():
+        for module in (decode, extend, kv_write, plan):
+            for fn in vars(module).values():
+                if isinstance(fn, JITFunction):
+                    fn.device_caches.clear()
+        attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cuda", 8, table.shape[1])
+        attn.warmup(q, k_cache, v_cache, index_dtypes=(torch.int32,))
+
+    warm_up()
+    assert forks and len(compiles) >= 5, (forks, compiles)
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda *, cache_hit, **_: hits.append(cache_hit))
+    forks.clear()
+    warm_up()
+    assert forks == [] and hits and all(hits), (forks, hits)
