@@ -424,11 +424,12 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase, self.layer_names).values()
         for kind, attention in self.attentions.items():
             for layer in layers:
+                if attention.warmed_up:
+                    break
                 impl, cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
-                cache = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
-                if attention.warmed_up or not isinstance(impl, EvenKVImpl) or impl.kind != kind:
-                    continue
-                if isinstance(cache, torch.Tensor) and cache.numel():
+                cache = cache[0] if isinstance(cache, (list, tuple)) and cache else cache  # per virtual engine
+                bound = isinstance(cache, torch.Tensor) and cache.numel() > 0
+                if bound and isinstance(impl, EvenKVImpl) and impl.kind == kind:
                     query = torch.empty(1, impl.num_heads, impl.head_size, dtype=self._query_dtype,
                                         device=cache.device)
                     impl._warm_up([attention], query, cache, torch.empty_like(query))
