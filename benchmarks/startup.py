@@ -2,9 +2,10 @@
 
 Each point runs in a fresh process with its own empty ``TRITON_CACHE_DIR``, after CUDA is
 initialised, and times ``evenkv.Attention(...)`` and ``Attention.warmup`` apart, counting the
-builds (Triton's post-compile hook), once building in this process only
-(``EVENKV_BUILD_PROCESSES=1``) and once in forked processes (the default); the order of the
-two alternates over repeats. Then a second fresh process on the same, now filled, cache times
+kernels Triton hands over (``builds``: its post-compile hook, which fires for a build and for
+a load from the disk cache alike; ``constructor_builds``: those of the constructor), once
+building in this process only (``EVENKV_BUILD_PROCESSES=1``) and once in forked processes (the
+default); the order of the two alternates over repeats. Then a second fresh process on the same, now filled, cache times
 the warm start (``warm_*`` columns: every kernel loaded from the cache). Engine-like layer kinds:
 
 - ``vllm-like``: Qwen3-8B (32 / 8 heads, D 128, bf16), page 16, K|V halves of one cache tensor,
@@ -14,7 +15,7 @@ the warm start (``warm_*`` columns: every kernel loaded from the cache). Engine-
 - ``sglang-like``: Qwen3-30B-A3B (32 / 4 heads), page 1, new tokens in k_new / v_new, int32 and
   int64 lengths.
 
-    python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--processes 1,16] [--out startup.csv]
+    python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--processes 1,forked] [--out startup.csv]
 """
 
 import argparse
