@@ -398,20 +398,17 @@ class DecodeAttention:
         # Every count a plan may name lands in some bucket; rows of several tokens carry tree
         # masks where the object takes them.
         counts = range(1, self.max_q_len + 1)
-        probes = {}  # (bucket, many-segments row?) -> the decode kernel that sets its grid
+        kernels = {}  # (config, query rows) -> its decode kernel, as _compile returned it
         with parallel_compiles():
             for bucket, (config, _, many) in self._variants.items():
-                for row_config, is_many in [(config, False)] + ([(many[0], True)] if many is not None else []):
+                for row_config in [config] + ([many[0]] if many is not None else []):
                     for tree in sorted({self.tree_masks and n > 1 for n in counts if self._bucket(n) == bucket}):
-                        kernel = self._compile(row_config, t, self._query(bucket, tree), merge=True)
-                        if tree == self._probe_query(bucket).tree:
-                            probes[bucket, is_many] = kernel
+                        query = self._query(bucket, tree)
+                        kernels[row_config, query] = self._compile(row_config, t, query, merge=True)
             self._compile_plans(t["page_table"], index_dtypes)
         # Inside an enclosing parallel_compiles (Attention.warmup) the builds are still held:
         # asking for the grids' kernels runs every held build, in one batch.
-        order = [(bucket, False) for bucket, _, _ in self._rows]
-        order += [(bucket, True) for bucket, _, many in self._rows if many is not None]
-        if self._resolve_grids([probes[key] for key in order]):
+        if self._resolve_grids([kernels[probe] for probe in self._probes]):
             with parallel_compiles():  # the plan kernels were built for the caps' grids
                 self._compile_plans(t["page_table"], index_dtypes)
         self.warmed_up = True
