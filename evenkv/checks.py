@@ -295,6 +295,8 @@ def resolve_device(device, name: str = "device") -> torch.device:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where ``cuda`` and ``cuda:<current>`` are the same device."""
+    if a == b:  # the common case, checked on every call of every layer: no device objects built
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -5,6 +5,7 @@ launches; it does not validate (``evenkv.DecodeAttention`` and ``evenkv.write_kv
 do) and it allocates nothing.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,7 @@ def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int, query: Q
                 MULTI_Q=query.multi_q, TREE=query.tree)
 
 
+@functools.cache  # built once per shape: launches unpack the dict and never change it
 def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, query: QueryRows) -> dict:
     """Compile-time constants of ``merge_units_kernel``: its two item shapes, steps of
     MERGE_UNITS_TILE elements: one row of up to WHOLE_P partials, and one row's MERGE_CHUNK_D
@@ -88,6 +90,7 @@ def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, que
                 MULTI_Q=query.multi_q)
 
 
+@functools.cache  # built once per shape: launches unpack the dict and never change it
 def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool,
                            query: QueryRows, has_sinks: bool = False) -> dict:
     """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of at most
@@ -103,6 +106,7 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
                 USE_PDL=use_pdl, HAS_SINKS=has_sinks, MULTI_Q=query.multi_q)
 
 
+@functools.cache  # built once per shape: launches unpack the dict and never change it
 def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_size: int, config,
                      use_pdl: bool, query: QueryRows) -> dict:
     """Compile-time constants of ``decode_stream_kernel``. Its own merge takes all of a

@@ -8,11 +8,19 @@ import os
 import signal
 import time
 import warnings
+import weakref
+
+from triton.runtime.driver import driver
 
 try:
     from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
 except ImportError:  # Triton < 3.5
     AsyncCompileMode = FutureKernel = active_mode = None
+try:
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl as _native_specialize
+except ImportError:  # Triton < 3.4: every launch goes through kernel[grid]
+    knobs = _native_specialize = None
 
 
 # Softmax runs in base 2 in every kernel: scores are scaled by sm_scale * log2(e), so
@@ -30,12 +38,72 @@ def score_scales(sm_scale: float, logit_cap: float | None, k_scale: float = 1.0)
 
 
 def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``, or with ``warmup`` only compile it for these
-    arguments' types and specialization (nothing runs; None under the interpreter).
-    Returns the compiled kernel."""
+    """``kernel[grid](*args, **kwargs)`` (through ``DirectLaunches`` where it applies), or with
+    ``warmup`` only compile it for these arguments' types and specialization (nothing runs;
+    None under the interpreter). Returns the compiled kernel."""
     if warmup:
         return kernel.warmup(*args, grid=grid, **kwargs)
-    return kernel[grid](*args, **kwargs)
+    launches = _DIRECT_LAUNCHES.get(kernel)
+    if launches is None:
+        launches = _DIRECT_LAUNCHES[kernel] = DirectLaunches(kernel)
+    return launches(grid, args, kwargs)
+
+
+class DirectLaunches:
+    """One kernel's launches, after the first of each specialization, without Triton's dispatch.
+
+    ``kernel[grid](...)`` binds every argument, specializes each, hashes the result with the
+    options and looks the binary up before it launches, in Python, on every call. For a
+    decode kernel of 34 arguments and 20 constants that is most of the host time of a layer,
+    and it is paid in every eagerly run step and every CUDA graph capture. Here the compiled
+    kernel is kept under a key at least as fine as Triton's own: the device, the keyword
+    arguments (constants and launch options, by value), Triton's debug and instrumentation
+    knobs, and each runtime argument's specialization as Triton computes it
+    (``native_specialize_impl`` with the parameter's own flags). A launch whose key was seen
+    calls the binary's launcher with the arguments Triton would pass; any other goes through
+    ``kernel[grid]`` once and is kept. What this cannot mirror (the interpreter, runtime
+    parameters after a constant or passed by keyword, pre-run hooks, a Triton without these
+    internals) goes through ``kernel[grid]`` every time."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}
+        params = getattr(kernel, "params", None)
+        self.enabled = _native_specialize is not None and params is not None and hasattr(kernel, "device_caches")
+        if not self.enabled:
+            return
+        runtime = [p for p in params if not p.is_constexpr]
+        # Triton's launcher takes every parameter in order, constants included: runtime
+        # arguments, passed positionally, must all come before the first constant.
+        self.enabled = all(not p.is_constexpr for p in params[:len(runtime)])
+        self.flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in runtime]
+        self.constants = [(p.name, p.default) for p in params[len(runtime):]]
+
+    def __call__(self, grid: tuple, args: tuple, kwargs: dict):
+        if not self.enabled or len(args) != len(self.flags) or self.kernel.pre_run_hooks:
+            return self.kernel[grid](*args, **kwargs)
+        device = driver.active.get_current_device()
+        backend = self.kernel.device_caches[device][3]
+        try:
+            key = (device, tuple(kwargs.items()), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                   tuple([_native_specialize(backend, arg, *flags) for arg, flags in zip(args, self.flags)]))
+            entry = self.compiled.get(key)
+        except TypeError:  # an unhashable keyword value: no key, Triton's own dispatch
+            return self.kernel[grid](*args, **kwargs)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            self.compiled[key] = (compiled, tuple(kwargs.get(name, default) for name, default in self.constants))
+            return compiled
+        compiled, constants = entry
+        stream = driver.active.get_current_stream(device)
+        bound = (*args, *constants)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                     compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *bound),
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound)
+        return compiled
+
+
+_DIRECT_LAUNCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def compiled_kernel(kernel):

@@ -168,6 +168,32 @@ def test_cuda_graph_capture_and_replay(policy):
             check_sample(out, q, k, v, seq_lens, pt, page_size, [0, 1, batch - 1])
 
 
+def test_direct_launches_match_tritons_dispatch(monkeypatch):
+    """After a specialization's first launch, the plan, decode and merge kernels launch
+    without Triton's dispatch (``launching.DirectLaunches``): the same bits as launches
+    through ``kernel[grid]``, and no dispatch at all."""
+    from triton.runtime.jit import JITFunction
+
+    from evenkv.kernels import launching
+
+    lens = skewed_lens(262144, 64, 0.4, torch.Generator().manual_seed(4))
+    q, k, v, seq_lens, pt = build(lens, 16, seed=5)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 64, pt.shape[1])
+    with monkeypatch.context() as through_triton:
+        through_triton.setattr(launching.DirectLaunches, "__call__",
+                               lambda self, grid, args, kwargs: self.kernel[grid](*args, **kwargs))
+        want = attn.run(attn.plan(seq_lens, pt), q, k, v)
+    attn.run(attn.plan(seq_lens, pt), q, k, v)  # each specialization's first launch: kept
+    dispatched = []
+    dispatch = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, **kwargs: dispatched.append(self.fn.__name__)
+                        or dispatch(self, *args, **kwargs))
+    got = attn.run(attn.plan(seq_lens, pt), q, k, v)
+    torch.cuda.synchronize()
+    assert dispatched == []
+    assert torch.equal(got, want)
+
+
 def test_large_cache_offsets_pass_int32():
     """Cache slots beyond 2**31 elements: slot * stride must be computed in int64."""
     hkv, d, page_size = 8, 128, 16
