@@ -655,10 +655,11 @@ def _num(v):
 
 
 def row_group(r: dict) -> tuple:
-    """What a backend's row is compared on: the same engine, mode, tp, shape, workload and
-    repeat (rows of older CSVs, without these columns, count as default mode, tp 1, repeat 1)."""
+    """What a backend's row is compared on: the same engine, mode, tp, shape, workload, repeat
+    and vLLM torch.compile mode (rows of older CSVs, without these columns, count as default
+    mode, tp 1, repeat 1, compile mode 0)."""
     return (r["engine"], r.get("mode") or "default", str(r.get("tp") or 1), r["shape"], r["workload"],
-            str(r.get("repeat") or 1))
+            str(r.get("repeat") or 1), str(r.get("torch_compile") or 0))
 
 
 def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
@@ -682,8 +683,9 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
             a, b = _num(a), _num(b)
             return round(a - b, 1) if a is not None and b is not None else None
 
-        out.append({"mode": key[1], "tp": key[2], "shape": r["shape"], "workload": r["workload"], "repeat": key[5],
-                    "backend": r["backend"], "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
+        out.append({"mode": key[1], "tp": key[2], "torch_compile": key[6], "shape": r["shape"],
+                    "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
+                    "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
                     "tpot_p50_speedup": over(d["tpot_p50_ms"], r["tpot_p50_ms"]),
                     "ttft_p50_speedup": over(d["ttft_p50_ms"], r["ttft_p50_ms"]),
                     "decode_step_speedup": over(d.get("decode_step_p50_ms"), r.get("decode_step_p50_ms")),
@@ -694,9 +696,9 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
 
 def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
-    cols = ["engine", "mode", "tp", "shape", "backend", "workload", "start_order", "output_tok_s", "ttft_p50_ms",
-            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step", "max_in_flight",
-            "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup", "triton_compiles_run", "status"]
+    cols = ["engine", "mode", "tp", "torch_compile", "shape", "backend", "workload", "start_order", "output_tok_s",
+            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
+            "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup", "triton_compiles_run", "status"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c) or "–") for c in cols) + " |" for r in rows]
     for engine in sorted({r["engine"] for r in rows}):
@@ -705,11 +707,11 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
             continue
         lines += ["", f"## {engine}: against {DEFAULT_BACKEND[engine]} in the same mode (higher is better; "
                   "start-up: seconds more than it)", "",
-                  "| mode | tp | shape | workload | repeat | backend | output tok/s ratio | TPOT p50 speed-up | "
-                  "TTFT p50 speed-up | decode step speed-up | start-up +s | engine init +s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        keys = ("mode", "tp", "shape", "workload", "repeat", "backend", "tok_s_ratio", "tpot_p50_speedup",
-                "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
+                  "| mode | tp | torch.compile | shape | workload | repeat | backend | output tok/s ratio | "
+                  "TPOT p50 speed-up | TTFT p50 speed-up | decode step speed-up | start-up +s | engine init +s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        keys = ("mode", "tp", "torch_compile", "shape", "workload", "repeat", "backend", "tok_s_ratio",
+                "tpot_p50_speedup", "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
         lines += ["| " + " | ".join("–" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rs]
     return "\n".join(lines) + "\n"
 
@@ -727,7 +729,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(max(11, 0.7 * len(rs)), 3.8))
         # The fields that tell the bars apart: shape, tp and repeat only where the run has several.
-        varying = [k for k in ("shape", "tp", "repeat") if len({r[k] for r in rs}) > 1]
+        varying = [k for k in ("shape", "tp", "torch_compile", "repeat") if len({r[k] for r in rs}) > 1]
         labels = ["\n".join([r["workload"], r["mode"], r["backend"], *(f"{k} {r[k]}" for k in varying)]) for r in rs]
         for ax, key, title in ((axes[0], "tok_s_ratio", "output tokens/s"), (axes[1], "tpot_p50_speedup", "TPOT p50")):
             vals = [r[key] or 0 for r in rs]

@@ -179,7 +179,7 @@ def _rows():
 
 def test_ratios_summary_and_plots(tmp_path):
     rs = serving.ratios(_rows(), "vllm", "FLASH_ATTN")
-    common = {"tp": "1", "shape": "qwen3-8b", "workload": "chat", "repeat": "1", "backend": "evenkv"}
+    common = {"tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1", "backend": "evenkv"}
     assert rs == [{"mode": "default", **common, "tok_s_ratio": 1.1, "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None,
                    "decode_step_speedup": 1.267, "startup_delta_s": 3.5, "engine_init_delta_s": 1.0},
                   {"mode": "batch-invariant", **common, "tok_s_ratio": 1.5, "tpot_p50_speedup": 2.0,
@@ -187,8 +187,8 @@ def test_ratios_summary_and_plots(tmp_path):
                    "engine_init_delta_s": None}]
     md = serving.summary_markdown(_rows(), ["a note"])
     assert "- a note" in md
-    assert "| default | 1 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
-    assert "| batch-invariant | 1 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
+    assert "| default | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
+    assert "| batch-invariant | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
     serving.write_rows(tmp_path / "serving.csv", _rows())
     serving.report(tmp_path, ["n"])
     assert (tmp_path / "summary.md").read_text().startswith("# Serving benchmark")
@@ -196,13 +196,14 @@ def test_ratios_summary_and_plots(tmp_path):
     assert len(serving.read_rows(tmp_path / "serving.csv")) == 5
 
 
-def test_ratios_pair_repeats_and_read_old_rows_as_default_mode():
+def test_ratios_pair_repeats_and_compile_modes_and_read_old_rows_as_default_mode():
     old = {"engine": "sglang", "shape": "s", "workload": "chat", "output_tok_s": "100", "tpot_p50_ms": "10",
            "ttft_p50_ms": "100"}  # a row of a CSV written before the mode, tp and repeat columns
     rows = [{**old, "backend": "fa3"}, {**old, "backend": "evenkv", "output_tok_s": "120"},
             {**old, "backend": "fa3", "mode": "default", "tp": "1", "repeat": "2", "output_tok_s": "200"},
             {**old, "backend": "evenkv", "mode": "default", "tp": "1", "repeat": "2", "output_tok_s": "220"},
             {**old, "backend": "triton", "tp": "2", "output_tok_s": "90"}]  # no fa3 row at tp 2: no ratio
+    rows.append({**old, "backend": "evenkv", "torch_compile": "3", "output_tok_s": "130"})  # no fa3 row compiled
     rs = serving.ratios(rows, "sglang", "fa3")
     assert [(r["backend"], r["repeat"], r["tok_s_ratio"]) for r in rs] == [("evenkv", "1", 1.2), ("evenkv", "2", 1.1)]
 
