@@ -698,7 +698,8 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
     cols = ["engine", "mode", "tp", "torch_compile", "shape", "backend", "workload", "start_order", "output_tok_s",
             "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
-            "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup", "triton_compiles_run", "status"]
+            "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup",
+            "triton_compiles_run", "status"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c) or "–") for c in cols) + " |" for r in rows]
     for engine in sorted({r["engine"] for r in rows}):
