@@ -8,7 +8,6 @@ import os
 import signal
 import time
 import warnings
-import weakref
 
 from triton.runtime.driver import driver
 
@@ -43,9 +42,9 @@ def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):
     None under the interpreter). Returns the compiled kernel."""
     if warmup:
         return kernel.warmup(*args, grid=grid, **kwargs)
-    launches = _DIRECT_LAUNCHES.get(kernel)
+    launches = _DIRECT_LAUNCHES.get(id(kernel))
     if launches is None:
-        launches = _DIRECT_LAUNCHES[kernel] = DirectLaunches(kernel)
+        launches = _DIRECT_LAUNCHES[id(kernel)] = DirectLaunches(kernel)
     return launches(grid, args, kwargs)
 
 
@@ -103,7 +102,9 @@ class DirectLaunches:
         return compiled
 
 
-_DIRECT_LAUNCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# By the kernel's identity (a JITFunction hashes its source hash under a lock); each entry
+# holds its kernel, so an id is never reused while its entry lives.
+_DIRECT_LAUNCHES: dict[int, DirectLaunches] = {}
 
 
 def compiled_kernel(kernel):
