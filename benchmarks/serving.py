@@ -39,9 +39,10 @@ Engines:
           running request already had its first token is a decode step). Backends are
           vLLM's names; ``evenkv`` means ``CUSTOM`` (the evenkv plugin); the default is
           ``FLASH_ATTN`` (FA3). CUDA graphs of decode steps (FULL_DECODE_ONLY, vLLM's capture
-          sizes up to the batch limit), torch.compile off (mode 0; ``--vllm-compile`` gives
-          mode 3 with custom_ops ["none"]), chunked prefill with 16384-token steps, no
-          prefix caching.
+          sizes up to the batch limit), torch.compile (mode 3 with custom_ops ["none"]: the
+          device kit's PyTorch norms and activations are fused around the attention op, as
+          vLLM's compiled ops would be; ``--no-vllm-compile`` gives mode 0, every op eager),
+          chunked prefill with 16384-token steps, no prefix caching.
   sglang  the HTTP server (``python -m sglang.launch_server``), started per backend and
           driven by a streaming client on localhost (aiohttp), as an operator runs it; the
           client sends requests in arrival order, each after the one before it has its
@@ -57,6 +58,8 @@ Children start in an order that rotates per (mode, shape) group and per repeat
 position in the whole run. ``--triton-cache fresh`` gives each child an empty
 ``TRITON_CACHE_DIR``; ``shared`` keeps one per (engine, mode, tp, shape, backend) across
 children and runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
+vLLM's torch.compile cache (``VLLM_CACHE_ROOT``) and Inductor's (``TORCHINDUCTOR_CACHE_DIR``)
+follow the same rule, in folders beside the Triton one;
 ``triton_cache`` says whether a child found its cache empty (cold) or not (warm). Triton
 compiles are counted in the cache directory: at start-up, during the untimed warm-up
 requests after ready (``compiled_during_warmup``, kernel names) and during each workload
@@ -816,8 +819,17 @@ def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
            "--startup-timeout", str(a.startup_timeout), "--spec-tokens", str(a.spec_tokens),
            "--ngram-min", str(a.ngram_min), "--ngram-max", str(a.ngram_max), "--ngram-breadth", str(a.ngram_breadth)]
     cmd += ["--graphs"] if a.graphs else ["--no-graphs"]
-    cmd += ["--vllm-compile"] if a.vllm_compile else []
+    cmd += ["--vllm-compile"] if a.vllm_compile else ["--no-vllm-compile"]
     return cmd
+
+
+def compile_cache_env(triton_cache: str) -> dict:
+    """A child's caches of compiled code: Triton's at ``triton_cache``, and vLLM's torch.compile
+    and Inductor's caches beside it, so that they are as cold or warm as it (in their default
+    folders under the home directory, the first compiled child would warm them for every later
+    one)."""
+    return {"TRITON_CACHE_DIR": triton_cache, "VLLM_CACHE_ROOT": f"{triton_cache}-vllm",
+            "TORCHINDUCTOR_CACHE_DIR": f"{triton_cache}-inductor"}
 
 
 def triton_cache_for(a, c: Child, shared_root: Path | None) -> str:
@@ -852,7 +864,7 @@ def run_parent(a) -> int:
         rows_json = out / f".{a.engine}-{c.name}.json"
         cmd = child_cmd(a, c, rows_json, out / f"compiled-startup-{a.engine}-{c.name}.txt")
         print(f"[serving] child {label} ({share:.0f} s)", flush=True)
-        env = {**os.environ, "TRITON_CACHE_DIR": triton_cache_for(a, c, shared_root)}
+        env = {**os.environ, **compile_cache_env(triton_cache_for(a, c, shared_root))}
         with (out / f"{a.engine}-{c.name}.log").open("w") as log:
             rc = run_with_deadline(cmd, log, env, share)
         if rows_json.exists():
@@ -893,8 +905,8 @@ def parse_args(argv=None):
         p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs")
         p.add_argument("--tp", type=int, default=1,
                        help="tensor parallel size (vLLM tensor_parallel_size, SGLang --tp-size)")
-        p.add_argument("--vllm-compile", action="store_true",
-                       help="vLLM: torch.compile (compilation mode 3, custom_ops ['none']); default off (mode 0)")
+        p.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="vLLM: torch.compile (compilation mode 3, custom_ops ['none']); --no-vllm-compile: mode 0")
         p.add_argument("--spec-tokens", type=int, default=3, help="spec-ngram: draft tokens per step (K)")
         p.add_argument("--ngram-min", type=int, default=2, help="spec-ngram, vLLM: prompt_lookup_min")
         p.add_argument("--ngram-max", type=int, default=4, help="spec-ngram, vLLM: prompt_lookup_max")

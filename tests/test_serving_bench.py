@@ -179,7 +179,8 @@ def _rows():
 
 def test_ratios_summary_and_plots(tmp_path):
     rs = serving.ratios(_rows(), "vllm", "FLASH_ATTN")
-    common = {"tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1", "backend": "evenkv"}
+    common = {"tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1",
+              "backend": "evenkv"}
     assert rs == [{"mode": "default", **common, "tok_s_ratio": 1.1, "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None,
                    "decode_step_speedup": 1.267, "startup_delta_s": 3.5, "engine_init_delta_s": 1.0},
                   {"mode": "batch-invariant", **common, "tok_s_ratio": 1.5, "tpot_p50_speedup": 2.0,
@@ -250,7 +251,7 @@ def test_cli_modes_tp_and_default_backends(tmp_path):
     assert a.modes == ["default", "batch-invariant", "spec-ngram"] and a.tp == 2
     assert a.backends == "evenkv,fa3,triton" and serving.DEFAULT_BACKEND["sglang"] == "fa3"
     v = serving.parse_args(["vllm", "--out", str(tmp_path)])
-    assert v.modes == ["default"] and v.tp == 1 and v.backends == "evenkv,FLASH_ATTN" and not v.vllm_compile
+    assert v.modes == ["default"] and v.tp == 1 and v.backends == "evenkv,FLASH_ATTN" and v.vllm_compile
     assert v.triton_cache == "fresh" and v.repeats == 1
     with pytest.raises(ValueError, match="mode: expected one of default, batch-invariant, spec-ngram, got 'fast'"):
         serving.parse_args(["vllm", "--out", str(tmp_path), "--mode", "default,fast"])
@@ -262,6 +263,9 @@ def test_cli_modes_tp_and_default_backends(tmp_path):
                             "spec-ngram", "--spec-tokens", "5", "--vllm-compile"])
     setup = serving.child_setup(c)
     assert (setup.mode, setup.spec_tokens, setup.torch_compile, setup.tp) == ("spec-ngram", 5, 3, 1)
+    eager = serving.parse_args(["child", "--engine", "vllm", "--shape", "qwen3-8b", "--backend", "evenkv",
+                                "--no-vllm-compile"])
+    assert serving.child_setup(eager).torch_compile == 0
 
 
 def test_children_rotate_which_backend_starts_first():
@@ -359,7 +363,9 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
         "os.makedirs(os.path.join(cache, a['--backend'] + a['--repeat']), exist_ok=True)\n"
         "row = {'engine': 'sglang', 'mode': a['--mode'], 'tp': 1, 'shape': 's', 'backend': a['--backend'],\n"
         "       'workload': 'chat', 'repeat': a['--repeat'], 'start_order': a['--start-order'],\n"
-        "       'triton_cache': 'warm' if warm else 'cold', 'output_tok_s': 1, 'status': cache}\n"
+        "       'triton_cache': 'warm' if warm else 'cold', 'output_tok_s': 1,\n"
+        "       'status': '|'.join(os.environ[k] for k in ('TRITON_CACHE_DIR', 'VLLM_CACHE_ROOT',\n"
+        "                                                   'TORCHINDUCTOR_CACHE_DIR'))}\n"
         "open(a['--json'], 'w').write(json.dumps([row]))\n")
 
     def fake_cmd(a, c, rows_json, startup_file):
@@ -379,9 +385,11 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
         ("1", "batch-invariant", "fa3", "3"), ("1", "batch-invariant", "evenkv", "4"),
         ("2", "default", "fa3", "5"), ("2", "default", "evenkv", "6"),
         ("2", "batch-invariant", "evenkv", "7"), ("2", "batch-invariant", "fa3", "8")]
-    # one shared cache folder per (mode, backend): cold at its first start, warm in the second repeat
+    # one shared cache folder per (mode, backend), the torch.compile caches beside it: cold at its
+    # first start, warm in the second repeat
     for r in rows:
-        assert r["status"] == str(tmp_path / "tc" / f"sglang-{r['mode']}-tp1-qwen3-30b-a3b-attn-{r['backend']}")
+        triton = str(tmp_path / "tc" / f"sglang-{r['mode']}-tp1-qwen3-30b-a3b-attn-{r['backend']}")
+        assert r["status"] == f"{triton}|{triton}-vllm|{triton}-inductor"
         assert r["triton_cache"] == ("cold" if r["repeat"] == "1" else "warm")
     assert (out / "summary.md").exists()
 
