@@ -62,7 +62,9 @@ class DirectLaunches:
     calls the binary's launcher with the arguments Triton would pass; any other goes through
     ``kernel[grid]`` once and is kept. What this cannot mirror (the interpreter, runtime
     parameters after a constant or passed by keyword, pre-run hooks, a Triton without these
-    internals) goes through ``kernel[grid]`` every time."""
+    internals) goes through ``kernel[grid]`` every time. Not repeated: Triton's check that the
+    module globals a kernel read when it compiled still hold the same values (evenkv's kernels
+    read only constants)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
