@@ -219,10 +219,11 @@ def in_disk_cache(key: str) -> bool:
     from triton.runtime import cache
 
     folder_name = getattr(cache, "_base32", None)  # how FileCacheManager names a key's folder
-    knobs = triton.knobs.cache
-    if not isinstance(key, str) or knobs.manager_class is not None or not knobs.dir or folder_name is None:
+    cache_knobs = triton.knobs.cache
+    if (not isinstance(key, str) or cache_knobs.manager_class is not None or not cache_knobs.dir
+            or folder_name is None):
         return False
-    folder = os.path.join(knobs.dir, folder_name(hashlib.sha256(key.encode("utf-8")).hexdigest()))
+    folder = os.path.join(cache_knobs.dir, folder_name(hashlib.sha256(key.encode("utf-8")).hexdigest()))
     try:
         return any(name.startswith("__grp__") for name in os.listdir(folder))
     except OSError:
