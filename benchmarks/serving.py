@@ -52,7 +52,12 @@ Engines:
 Start-up, apart from the workloads: ``startup_s`` is the wall time to a ready engine (vLLM:
 from the child's start, imports included; SGLang: from the server's launch to a healthy
 ``/health``), ``engine_init_s`` the engine's own part (vLLM: the ``LLM()`` call; SGLang: the
-server's first log line to a healthy ``/health``), ``import_s`` the engine imports (vLLM).
+server's first log line to a healthy ``/health``), ``import_s`` the engine imports (vLLM);
+``startup_phases`` the phases the engine itself logs (``engine_startup_phases``: vLLM's Dynamo
+transform, torch.compile, graph capture and init engine; SGLang's startup timings, graph capture
+per forward mode included), and evenkv's kernel builds. A workload a child did not finish (its
+share of the budget ran out: ``stopped``; the engine failed: ``error: ...``) still gets a row
+with the start-up figures measured.
 Children start in an order that rotates per (mode, shape) group and per repeat
 (``child_order``; ``--first`` picks who starts the first group); ``start_order`` is a child's
 position in the whole run. ``--triton-cache fresh`` gives each child an empty
@@ -84,6 +89,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -110,8 +116,8 @@ MODES = ("default", "batch-invariant", "spec-ngram")
 COLUMNS = ["engine", "engine_version", "mode", "tp", "shape", "backend", "workload", "graphs", "torch_compile", "spec",
            "repeat", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
            "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
-           "decode_steps", "tokens_per_step", "max_in_flight", "startup_s", "engine_init_s", "import_s",
-           "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
+           "decode_steps", "tokens_per_step", "max_in_flight", "mem_fraction", "startup_s", "engine_init_s", "import_s",
+           "startup_phases", "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
            "compiled_during_run", "status"]
 
 
@@ -556,6 +562,22 @@ def child_setup(a) -> EngineSetup:
                        ngram_breadth=a.ngram_breadth)
 
 
+# SGLang's fa3 baseline with n-gram speculation captures verify graphs for up to 1102
+# requests; where FA3 starts splitting KV (992 requests and fewer) each graph holds a split
+# workspace of about 1.7 GiB, and at 0.9 of the GPU for weights and KV its capture ran out of
+# memory on the H200. Both backends of a mode get the same fraction.
+DEFAULT_MEMORY_FRACTION = 0.9
+SGLANG_SPEC_MEMORY_FRACTION = 0.85
+
+
+def memory_fraction(engine: str, mode: str, mem: float | None) -> float:
+    """The fraction of GPU memory for weights and KV cache: ``--mem`` when given, else 0.9, or
+    0.85 for SGLang in spec-ngram mode (its fa3 baseline's graph capture needs the room)."""
+    if mem is not None:
+        return mem
+    return SGLANG_SPEC_MEMORY_FRACTION if (engine, mode) == ("sglang", "spec-ngram") else DEFAULT_MEMORY_FRACTION
+
+
 def run_child(a, rows: list[dict]):
     """Start the engine once and run every workload, appending one result row per workload to ``rows``."""
     works = [make_workload(n, a.size, a.seed, a.rate) for n in a.workloads.split(",")]
@@ -575,31 +597,33 @@ def run_child(a, rows: list[dict]):
     os.environ["TRITON_CACHE_DIR"] = str(cache)
     at_start = compiled_kernels(cache)
     base["triton_cache"] = "warm" if at_start else "cold"
+    mem = memory_fraction(a.engine, a.mode, a.mem)
+    base["mem_fraction"] = mem
     warmup = Workload("warmup", [64, 3000, 17], [8, 8, 8])  # untimed: whatever loads lazily on first use
-    if a.engine == "vllm":
-        t = time.time()
-        import vllm
-        from vllm import LLM  # noqa: F401  (the import cost belongs to import_s)
-
-        t_llm = time.time()
-        base.update(engine_version=vllm.__version__, import_s=round(t_llm - t, 1))
-        llm = vllm_llm(model, backend, max_len, max_seqs, a.mem, setup)
-        base.update(engine_init_s=round(time.time() - t_llm, 1), startup_s=round(time.time() - PROCESS_START, 1))
-        serve, proc = (lambda w: vllm_serve(llm, w, prompt_ids(w, vocab, a.seed))), None
-    else:
-        import sglang
-
-        base["engine_version"] = sglang.__version__
-        url = f"http://127.0.0.1:{a.port}"
-        cmd = sglang_server_cmd(model, backend, a.port, max_len, max_seqs, a.mem, setup)
-        print("[serving] " + " ".join(cmd), flush=True)
-        t = time.time()
-        proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1)
-        server_log = ServerLog(proc)
-        serve = lambda w: asyncio.run(http_serve(url, w, prompt_ids(w, vocab, a.seed)))  # noqa: E731
+    finished, proc = set(), None
     try:
-        if proc is not None:
+        if a.engine == "vllm":
+            t = time.time()
+            import vllm
+            from vllm import LLM  # noqa: F401  (the import cost belongs to import_s)
+
+            t_llm = time.time()
+            base.update(engine_version=vllm.__version__, import_s=round(t_llm - t, 1))
+            llm = vllm_llm(model, backend, max_len, max_seqs, mem, setup)
+            base.update(engine_init_s=round(time.time() - t_llm, 1), startup_s=round(time.time() - PROCESS_START, 1))
+            serve = lambda w: vllm_serve(llm, w, prompt_ids(w, vocab, a.seed))  # noqa: E731
+        else:
+            import sglang
+
+            base["engine_version"] = sglang.__version__
+            url = f"http://127.0.0.1:{a.port}"
+            cmd = sglang_server_cmd(model, backend, a.port, max_len, max_seqs, mem, setup)
+            print("[serving] " + " ".join(cmd), flush=True)
+            t = time.time()
+            proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, errors="replace", bufsize=1)
+            server_log = ServerLog(proc)
+            serve = lambda w: asyncio.run(http_serve(url, w, prompt_ids(w, vocab, a.seed)))  # noqa: E731
             wait_healthy(url, proc, a.startup_timeout)
             ready = time.time()
             base["startup_s"] = round(ready - t, 1)
@@ -618,13 +642,63 @@ def run_child(a, rows: list[dict]):
             row = serve(w)
             during = compiled_since(before, cache)
             rows.append({**base, **row, "triton_compiles_run": len(during), "compiled_during_run": ";".join(during)})
+            finished.add(w.name)
             print(f"[serving]   {rows[-1]}", flush=True)
+    except BaseException as error:
+        # A row for each workload that did not finish, with the start-up figures measured so far.
+        status = unfinished_status(error)
+        rows.extend({**base, "workload": w.name, "status": status} for w in works if w.name not in finished)
+        raise
     finally:
         if proc is not None:
             stop_server(proc)
 
 
+def unfinished_status(error: BaseException) -> str:
+    """The status of a workload the child did not finish: ``stopped`` when the parent's budget ran
+    out (its SIGTERM exits with 143), else ``error: <exception>``."""
+    if isinstance(error, SystemExit) and error.code == 143:
+        return "stopped"
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return "error: " + (text[:160] + "..." if len(text) > 160 else text)
+
+
 # -- parent: children, CSV, summary, plots ---------------------------------------------------------
+
+
+_VLLM_PHASES = (("dynamo", r"Dynamo bytecode transform time: ([\d.]+) s"),
+                ("torch_compile", r"torch\.compile took ([\d.]+) s in total"),
+                ("capture", r"Graph capturing finished in ([\d.]+) secs"),
+                ("init_engine", r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"))
+_EVENKV_BUILDS = r"evenkv: kernels of \d+ attention object\(s\) built or loaded in ([\d.]+) s"
+
+
+def engine_startup_phases(log: str, engine: str) -> str:
+    """The start-up phases an engine logged (seconds, ``name=value`` joined by ``;``): vLLM's
+    Dynamo transform, torch.compile total, graph capture (whole seconds, as vLLM logs it) and
+    init engine; SGLang's "Engine startup timings" line, graph captures per forward mode as
+    ``cuda_graph.<mode>`` (zeros left out); and ``evenkv_builds``, evenkv's kernel builds or
+    loads. A phase logged more than once (one line per tensor-parallel worker) counts its
+    longest. Empty when the log has none of them."""
+    phases: dict[str, float] = {}
+
+    def put(name: str, value: str):
+        phases[name] = max(phases.get(name, 0.0), float(value))
+
+    patterns = list(_VLLM_PHASES) if engine == "vllm" else []
+    for name, pattern in patterns + [("evenkv_builds", _EVENKV_BUILDS)]:
+        for value in re.findall(pattern, log):
+            put(name, value)
+    if engine == "sglang":
+        for line in re.findall(r"Engine startup timings \(s\): (.*)", log):
+            nested = dict(re.findall(r"(\w+)=\{([^}]*)\}", line))
+            for key, value in re.findall(r"(\w+)=([\d.]+)", re.sub(r"\w+=\{[^}]*\}", "", line)):
+                put(key, value)
+            for group, items in nested.items():
+                for key, value in re.findall(r"(\w+)=([\d.]+)", items):
+                    if float(value):
+                        put(f"{group}.{key}", value)
+    return ";".join(f"{name}={value:g}" for name, value in phases.items())
 
 
 def write_rows(path: Path, rows: list[dict]):
@@ -814,10 +888,11 @@ def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.serving", "child", "--engine", a.engine, "--shape", c.shape,
            "--backend", c.backend, "--mode", c.mode, "--tp", str(a.tp), "--repeat", str(c.repeat),
            "--start-order", str(c.start_order), "--workloads", a.workloads, "--size", a.size, "--seed", str(a.seed),
-           "--rate", str(a.rate), "--mem", str(a.mem), "--model-dir", a.model_dir, "--port", str(a.port),
+           "--rate", str(a.rate), "--model-dir", a.model_dir, "--port", str(a.port),
            "--json", str(rows_json), "--compiled-startup-file", str(startup_file),
            "--startup-timeout", str(a.startup_timeout), "--spec-tokens", str(a.spec_tokens),
            "--ngram-min", str(a.ngram_min), "--ngram-max", str(a.ngram_max), "--ngram-breadth", str(a.ngram_breadth)]
+    cmd += [] if a.mem is None else ["--mem", str(a.mem)]
     cmd += ["--graphs"] if a.graphs else ["--no-graphs"]
     cmd += ["--vllm-compile"] if a.vllm_compile else ["--no-vllm-compile"]
     return cmd
@@ -865,10 +940,12 @@ def run_parent(a) -> int:
         cmd = child_cmd(a, c, rows_json, out / f"compiled-startup-{a.engine}-{c.name}.txt")
         print(f"[serving] child {label} ({share:.0f} s)", flush=True)
         env = {**os.environ, **compile_cache_env(triton_cache_for(a, c, shared_root))}
-        with (out / f"{a.engine}-{c.name}.log").open("w") as log:
+        log_path = out / f"{a.engine}-{c.name}.log"
+        with log_path.open("w") as log:
             rc = run_with_deadline(cmd, log, env, share)
         if rows_json.exists():
-            write_rows(out / "serving.csv", json.loads(rows_json.read_text()))
+            phases = engine_startup_phases(log_path.read_text(errors="replace"), a.engine)
+            write_rows(out / "serving.csv", [{**r, "startup_phases": phases} for r in json.loads(rows_json.read_text())])
             rows_json.unlink()
         if rc != 0:
             failed += 1
@@ -901,7 +978,8 @@ def parse_args(argv=None):
         p.add_argument("--size", choices=("full", "quick"), default="quick")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--rate", type=float, default=16.0, help="chat-rate: requests per second")
-        p.add_argument("--mem", type=float, default=0.9, help="fraction of GPU memory for weights and KV cache")
+        p.add_argument("--mem", type=float, help="fraction of GPU memory for weights and KV cache (default 0.9; "
+                       "0.85 for SGLang spec-ngram, whose fa3 baseline needs the room to capture its graphs)")
         p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs")
         p.add_argument("--tp", type=int, default=1,
                        help="tensor parallel size (vLLM tensor_parallel_size, SGLang --tp-size)")

@@ -366,7 +366,8 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
         "       'triton_cache': 'warm' if warm else 'cold', 'output_tok_s': 1,\n"
         "       'status': '|'.join(os.environ[k] for k in ('TRITON_CACHE_DIR', 'VLLM_CACHE_ROOT',\n"
         "                                                   'TORCHINDUCTOR_CACHE_DIR'))}\n"
-        "open(a['--json'], 'w').write(json.dumps([row]))\n")
+        "open(a['--json'], 'w').write(json.dumps([row]))\n"
+        "print('Engine startup timings (s): scheduler_e2e=1.5, cuda_graph={decode=0.25, prefill=0.00}')\n")
 
     def fake_cmd(a, c, rows_json, startup_file):
         return [sys.executable, "-c", child, "--backend", c.backend, "--mode", c.mode, "--repeat", str(c.repeat),
@@ -391,6 +392,7 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
         triton = str(tmp_path / "tc" / f"sglang-{r['mode']}-tp1-qwen3-30b-a3b-attn-{r['backend']}")
         assert r["status"] == f"{triton}|{triton}-vllm|{triton}-inductor"
         assert r["triton_cache"] == ("cold" if r["repeat"] == "1" else "warm")
+        assert r["startup_phases"] == "scheduler_e2e=1.5;cuda_graph.decode=0.25"  # from the child's log
     assert (out / "summary.md").exists()
 
 
@@ -407,3 +409,62 @@ def test_server_log_is_copied_and_its_first_line_timed(capfd):
     log._thread.join(10)
     assert log.first_line_at is not None and log.first_line_at - t0 >= 0.3
     assert "server_args=...\nready" in capfd.readouterr().out
+
+
+def test_engine_startup_phases_from_the_engines_logs():
+    vllm_log = ("INFO 12-03 14:55:54.881 [backends.py:1155] Dynamo bytecode transform time: 3.50 s\n"
+                "INFO 12-03 14:55:56.953 [monitor.py:53] torch.compile took 5.57 s in total\n"
+                "INFO [vllm_backend.py:626] evenkv: kernels of 1 attention object(s) built or loaded in 0.06 s\n"
+                "INFO [vllm_backend.py:626] evenkv: kernels of 2 attention object(s) built or loaded in 0.40 s\n"
+                "INFO [model_runner.py:747] Graph capturing finished in 1 secs, took 0.13 GiB\n"
+                "INFO [core.py:340] init engine (profile, create kv cache, warmup model) took 9.90 s (compilation: 5.57 s)\n")
+    assert serving.engine_startup_phases(vllm_log, "vllm") == \
+        "dynamo=3.5;torch_compile=5.57;capture=1;init_engine=9.9;evenkv_builds=0.4"
+    sglang_log = ("[2026-12-03 15:13:38] evenkv: kernels of 1 attention object(s) built or loaded in 0.05 s\n"
+                  "[2026-12-03 15:14:28] Engine startup timings (s): load_weight=0.13, kv_cache_allocation=0.41, "
+                  "scheduler_e2e=53.39, cuda_graph={prefill=33.62, decode=0.00, target_verify=15.98}, "
+                  "tokenizer_e2e=74.29\n")
+    assert serving.engine_startup_phases(sglang_log, "sglang") == (
+        "evenkv_builds=0.05;load_weight=0.13;kv_cache_allocation=0.41;scheduler_e2e=53.39;tokenizer_e2e=74.29;"
+        "cuda_graph.prefill=33.62;cuda_graph.target_verify=15.98")
+    # vLLM's phases are not read from an SGLang log, and a log without any gives ""
+    assert serving.engine_startup_phases(vllm_log, "sglang") == "evenkv_builds=0.4"
+    assert serving.engine_startup_phases("nothing here\n", "vllm") == ""
+
+
+def test_memory_fraction_per_engine_and_mode(tmp_path):
+    assert serving.memory_fraction("sglang", "spec-ngram", None) == 0.85
+    assert serving.memory_fraction("sglang", "default", None) == 0.9
+    assert serving.memory_fraction("vllm", "spec-ngram", None) == 0.9
+    assert serving.memory_fraction("sglang", "spec-ngram", 0.7) == 0.7
+    a = serving.parse_args(["sglang", "--out", str(tmp_path)])
+    child = serving.Child(1, "spec-ngram", "qwen3-30b-a3b-attn", "evenkv", 1)
+    assert "--mem" not in serving.child_cmd(a, child, tmp_path / "r.json", tmp_path / "s.txt")
+    a = serving.parse_args(["sglang", "--out", str(tmp_path), "--mem", "0.8"])
+    cmd = serving.child_cmd(a, child, tmp_path / "r.json", tmp_path / "s.txt")
+    assert cmd[cmd.index("--mem") + 1] == "0.8"
+
+
+def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypatch):
+    """run_child with an SGLang server that exits before it is ready: each workload gets a row
+    with the error and what was measured before it; the error still propagates."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0-test"))
+    monkeypatch.setattr(serving, "sglang_server_cmd",
+                        lambda *args: [sys.executable, "-c", "print('server_args=...'); raise SystemExit(3)"])
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    a = serving.parse_args(["child", "--engine", "sglang", "--shape", "qwen3-30b-a3b-attn", "--backend", "fa3",
+                            "--mode", "spec-ngram", "--workloads", "chat,long-mix", "--model-dir", str(tmp_path),
+                            "--startup-timeout", "60"])
+    rows = []
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        serving.run_child(a, rows)
+    assert [r["workload"] for r in rows] == ["chat", "long-mix"]
+    for r in rows:
+        assert r["status"] == "error: RuntimeError: the server exited with 3 before it was ready"
+        assert r["backend"] == "fa3" and r["mode"] == "spec-ngram" and r["mem_fraction"] == 0.85
+        assert r["engine_version"] == "0-test" and r["triton_cache"] == "cold" and "startup_s" not in r
+    assert serving.unfinished_status(SystemExit(143)) == "stopped"
+    assert serving.unfinished_status(ValueError("x" * 300)).startswith("error: ValueError: xxx")
+    assert len(serving.unfinished_status(ValueError("x" * 300))) < 200
