@@ -13,7 +13,14 @@ the warm start (``warm_*`` columns: every kernel loaded from the cache). Engine-
   for prefill and builds none of them, so an engine start has fewer builds than this);
 - ``vllm-like-spec``: the same with verify rows of up to 4 tokens (3 draft tokens);
 - ``sglang-like``: Qwen3-30B-A3B (32 / 4 heads), page 1, new tokens in k_new / v_new, int32 and
-  int64 lengths.
+  int64 lengths;
+- ``sglang-like-spec``: the same with tree-masked verify rows of 4 tokens (SGLang's NGRAM).
+
+After the builds, the same process times one engine step as an engine captures it into a CUDA
+graph (``layer_forward``: a plan of 256 decode or verify rows of 5 tokens, then one run per
+layer, 36 layers for the vLLM-like kinds and 48 for the SGLang-like): its host time, eager time
+and capture time (``step_*_ms``: capture and instantiation, what an engine pays per captured
+batch size), and the same for FA3 varlen (``fa3_step_*_ms``) where vLLM's FA3 build is installed.
 
     python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--processes 1,forked] [--out startup.csv]
 """
@@ -29,10 +36,95 @@ import time
 from benchmarks.tune_decode import write_csv
 
 KINDS = {
-    "vllm-like": dict(heads=(32, 8), page=16, batch=1024, q_len=1, new_tokens=False, int64=False),
-    "vllm-like-spec": dict(heads=(32, 8), page=16, batch=1024, q_len=4, new_tokens=False, int64=False),
-    "sglang-like": dict(heads=(32, 4), page=1, batch=1024, q_len=1, new_tokens=True, int64=True),
+    "vllm-like": dict(heads=(32, 8), page=16, batch=1024, q_len=1, new_tokens=False, int64=False, tree=False,
+                      layers=36),
+    "vllm-like-spec": dict(heads=(32, 8), page=16, batch=1024, q_len=4, new_tokens=False, int64=False, tree=False,
+                           layers=36),
+    "sglang-like": dict(heads=(32, 4), page=1, batch=1024, q_len=1, new_tokens=True, int64=True, tree=False,
+                        layers=48),
+    "sglang-like-spec": dict(heads=(32, 4), page=1, batch=1024, q_len=4, new_tokens=True, int64=True, tree=True,
+                             layers=48),
 }
+# The captured forward: a decode (or verify) step of CAPTURE_BATCH requests of CAPTURE_SEQ_LEN
+# tokens, the engines' capture-time fill (a graph's cost to capture does not depend on lengths).
+CAPTURE_BATCH = 256
+CAPTURE_SEQ_LEN = 5
+
+
+def layer_forward(attn, q, k_cache, v_cache, out, *, batch: int, q_len: int, layers: int, tree: bool,
+                  index_dtype):
+    """What one captured engine step asks of evenkv: one plan of ``batch`` decode (q_len 1) or
+    verify rows of CAPTURE_SEQ_LEN tokens each (chains given as tree masks with ``tree``), then ``layers``
+    runs. q, out [>= batch * q_len, Hq, D]; k_cache, v_cache [slots, Hkv, D] with room for
+    batch * ceil(CAPTURE_SEQ_LEN / page_size) pages."""
+    import torch
+
+    dev, n = q.device, batch * q_len
+    pages = -(-CAPTURE_SEQ_LEN // attn.page_size)
+    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), CAPTURE_SEQ_LEN, dtype=index_dtype, device=dev)
+    table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    rows = {}
+    if q_len > 1:
+        # the chain an engine captures with: token t sees new tokens 0 .. t
+        chain = (1 << (torch.arange(q_len, dtype=torch.int32, device=dev) + 1)) - 1
+        tree_mask = chain.repeat(batch) if tree else None
+        rows = dict(decode_q_len=q_len, num_decode_tokens=n, tree_mask=tree_mask)
+
+    def forward():
+        plan = attn.plan(cu, seq_lens, table, num_decodes=batch, max_q_len=q_len, **rows)
+        for _ in range(layers):
+            attn.run(plan, q[:n], k_cache, v_cache, out=out[:n])
+    return forward
+
+
+def fa3_forward(q, k_cache, v_cache, out, *, page_size: int, batch: int, q_len: int, layers: int):
+    """The same step on FA3 varlen (vLLM's build), ``layers`` calls; None where it is not installed."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    import torch
+
+    dev, n, (_, hkv, d) = q.device, batch * q_len, k_cache.shape
+    pages = -(-CAPTURE_SEQ_LEN // page_size)
+    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), CAPTURE_SEQ_LEN, dtype=torch.int32, device=dev)
+    table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    k_pages, v_pages = k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d)
+
+    def forward():
+        for _ in range(layers):
+            flash_attn_varlen_func(q[:n], k_pages, v_pages, max_seqlen_q=q_len, cu_seqlens_q=cu,
+                                   max_seqlen_k=CAPTURE_SEQ_LEN, seqused_k=seq_lens, softmax_scale=d ** -0.5,
+                                   causal=True, block_table=table, out=out[:n], fa_version=3)
+    return forward
+
+
+def capture_costs(forward, repeats: int = 3) -> dict:
+    """Milliseconds (the best of ``repeats``) of one forward: its host time (launches issued, no
+    wait), eager (to the GPU's end) and captured into a CUDA graph (capture and instantiation,
+    what an engine pays per captured size and run)."""
+    import torch
+
+    forward()
+    host = eager = capture = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forward()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host, eager = min(host, t1 - t0), min(eager, time.perf_counter() - t0)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(graph):
+            forward()
+        torch.cuda.synchronize()
+        capture = min(capture, time.perf_counter() - t0)
+        del graph
+    return dict(host_ms=round(host * 1e3, 2), eager_ms=round(eager * 1e3, 2), capture_ms=round(capture * 1e3, 2))
 
 
 def measure(kind: str) -> dict:
@@ -53,17 +145,27 @@ def measure(kind: str) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, dev, spec["batch"], 65536 // page,
-                            max_decode_q_len=spec["q_len"])
+                            max_decode_q_len=spec["q_len"], tree_masks=spec["tree"])
     t1 = time.perf_counter()
     constructor_builds = len(builds)
     attn.warmup(q, k_cache, v_cache, k_new=new, v_new=new, out=torch.empty_like(q),
                 index_dtypes=(torch.int32, torch.int64) if spec["int64"] else (torch.int32,))
     t2 = time.perf_counter()
-    return dict(constructor_s=round(t1 - t0, 3), warmup_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3),
-                builds=len(builds), constructor_builds=constructor_builds)
+    row = dict(constructor_s=round(t1 - t0, 3), warmup_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3),
+               builds=len(builds), constructor_builds=constructor_builds)
+    out = torch.empty_like(q)
+    step = dict(batch=CAPTURE_BATCH, q_len=spec["q_len"], layers=spec["layers"])
+    costs = capture_costs(layer_forward(attn, q, k_cache, v_cache, out, tree=spec["tree"],
+                                        index_dtype=torch.int64 if spec["int64"] else torch.int32, **step))
+    row.update({f"step_{k}": v for k, v in costs.items()})
+    fa3 = fa3_forward(q, k_cache, v_cache, out, page_size=page, **step)
+    if fa3 is not None:
+        row.update({f"fa3_step_{k}": v for k, v in capture_costs(fa3).items()})
+    return row
 
 
-COLUMNS = ("constructor_s", "warmup_s", "total_s", "builds", "constructor_builds")
+COLUMNS = ("constructor_s", "warmup_s", "total_s", "builds", "constructor_builds", "step_host_ms", "step_eager_ms",
+           "step_capture_ms", "fa3_step_host_ms", "fa3_step_eager_ms", "fa3_step_capture_ms")
 
 
 def run_child(kind: str, processes: str) -> dict:

@@ -27,6 +27,8 @@ from benchmarks import report
 from benchmarks.peers import (Runner, evenkv_impl, fa3, fi_jit, flashinfer_holistic, flashinfer_xqa, load,
                                sglang_lean, sglang_triton)
 
+import evenkv
+
 REPO = Path(__file__).resolve().parent.parent
 
 PCT = {"Skewed40": 40, "Skewed60": 60, "Skewed80": 80}
@@ -1037,3 +1039,31 @@ def test_read_floor_kernel_sums_each_chunk():
         read_floor.read_sum(x, grid=4, block=64, num_warps=4)
     with pytest.raises(ValueError, match="bfloat16 tensor, got shape \\(384,\\) torch.float32"):
         read_floor.read_sum(x.float(), grid=4, block=32, num_warps=4)
+
+
+@pytest.mark.parametrize("q_len,tree", [(1, False), (4, False), (4, True)])
+def test_startup_step_is_the_planned_batch_on_every_layer(q_len, tree):
+    """benchmarks/startup.py's captured step (interpreter): one plan of decode or verify rows of
+    CAPTURE_SEQ_LEN tokens, then a run per layer, each layer's output the reference's."""
+    from benchmarks import startup
+    from evenkv.kernels.reference import extend_reference
+
+    hq, hkv, d, page, batch = 4, 2, 64, 1, 3
+    pages = -(-startup.CAPTURE_SEQ_LEN // page)
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(batch * pages * page, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch * q_len + 2, hq, d, generator=gen).to(torch.bfloat16)
+    out = torch.zeros_like(q)
+    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cpu", 8, 8, max_decode_q_len=q_len, tree_masks=tree)
+    runs = []
+    real_run = attn.run
+    attn.run = lambda *args, **kw: runs.append(1) or real_run(*args, **kw)
+    startup.layer_forward(attn, q, k_cache, v_cache, out, batch=batch, q_len=q_len, layers=3, tree=tree,
+                          index_dtype=torch.int64)()
+    assert len(runs) == 3
+    n = batch * q_len
+    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    ref = extend_reference(q[:n], k_cache, v_cache, cu, torch.full((batch,), startup.CAPTURE_SEQ_LEN), table, page)
+    assert (out[:n].float() - ref).abs().max() < 2e-2
+    assert out[n:].abs().max() == 0  # rows past the step's are not written
