@@ -771,6 +771,21 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
     return out
 
 
+STARTUP_COLUMNS = ("engine", "mode", "tp", "torch_compile", "shape", "backend", "repeat", "start_order",
+                   "triton_cache", "startup_s", "engine_init_s", "triton_compiles_startup", "startup_phases")
+
+
+def startup_rows(rows: list[dict]) -> list[dict]:
+    """One row per engine start (a child's workloads share its start-up), in the CSV's order,
+    with the STARTUP_COLUMNS; starts that measured nothing of it are left out."""
+    starts = {}
+    for r in rows:
+        key = tuple(str(r.get(c) or "") for c in STARTUP_COLUMNS[:8])
+        if key not in starts and (r.get("startup_s") or r.get("engine_init_s") or r.get("startup_phases")):
+            starts[key] = {c: r.get(c) or "" for c in STARTUP_COLUMNS}
+    return list(starts.values())
+
+
 def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
     cols = ["engine", "mode", "tp", "torch_compile", "shape", "backend", "workload", "start_order", "output_tok_s",
@@ -791,6 +806,11 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
         keys = ("mode", "tp", "torch_compile", "shape", "workload", "repeat", "backend", "tok_s_ratio",
                 "tpot_p50_speedup", "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
         lines += ["| " + " | ".join("–" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rs]
+    starts = startup_rows(rows)
+    if starts:
+        lines += ["", "## Start-up, one line per engine start (phases: as the engine logged them, seconds)", "",
+                  "| " + " | ".join(STARTUP_COLUMNS) + " |", "|" + "---|" * len(STARTUP_COLUMNS)]
+        lines += ["| " + " | ".join(str(r[c]) or "–" for c in STARTUP_COLUMNS) + " |" for r in starts]
     return "\n".join(lines) + "\n"
 
 

@@ -190,6 +190,11 @@ def test_ratios_summary_and_plots(tmp_path):
     assert "- a note" in md
     assert "| default | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
     assert "| batch-invariant | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
+    # start-up: one line per engine start, the chat and many-short rows of one evenkv start folded
+    assert "| vllm | default | 1 | – | qwen3-8b | FLASH_ATTN | 1 | – | – | 50 | 30 | – | – |" in md
+    assert "| vllm | default | 1 | – | qwen3-8b | evenkv | 1 | – | – | 53.5 | 31 | – | – |" in md
+    starts = serving.startup_rows(_rows() + [{**_rows()[1], "workload": "long-mix"}])
+    assert [(r["backend"], r["startup_s"]) for r in starts] == [("FLASH_ATTN", "50"), ("evenkv", "53.5")]
     serving.write_rows(tmp_path / "serving.csv", _rows())
     serving.report(tmp_path, ["n"])
     assert (tmp_path / "summary.md").read_text().startswith("# Serving benchmark")
