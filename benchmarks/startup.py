@@ -20,7 +20,8 @@ After the builds, the same process times one engine step as an engine captures i
 graph (``layer_forward``: a plan of 256 decode or verify rows of 5 tokens, then one run per
 layer, 36 layers for the vLLM-like kinds and 48 for the SGLang-like): its host time, eager time
 and capture time (``step_*_ms``: capture and instantiation, what an engine pays per captured
-batch size), and the same for FA3 varlen (``fa3_step_*_ms``) where vLLM's FA3 build is installed.
+batch size), and the same for FA3 varlen (``fa3_step_*_ms``) where vLLM's FA3 build is installed;
+a step that fails leaves its error in ``step_error`` beside the builds' figures.
 
     python -m benchmarks.startup [--kinds vllm-like,sglang-like] [--repeats 2] [--processes 1,forked] [--out startup.csv]
 """
@@ -155,17 +156,20 @@ def measure(kind: str) -> dict:
                builds=len(builds), constructor_builds=constructor_builds)
     out = torch.empty_like(q)
     step = dict(batch=CAPTURE_BATCH, q_len=spec["q_len"], layers=spec["layers"])
-    costs = capture_costs(layer_forward(attn, q, k_cache, v_cache, out, tree=spec["tree"],
-                                        index_dtype=torch.int64 if spec["int64"] else torch.int32, **step))
-    row.update({f"step_{k}": v for k, v in costs.items()})
-    fa3 = fa3_forward(q, k_cache, v_cache, out, page_size=page, **step)
-    if fa3 is not None:
-        row.update({f"fa3_step_{k}": v for k, v in capture_costs(fa3).items()})
+    try:
+        costs = capture_costs(layer_forward(attn, q, k_cache, v_cache, out, tree=spec["tree"],
+                                            index_dtype=torch.int64 if spec["int64"] else torch.int32, **step))
+        row.update({f"step_{k}": v for k, v in costs.items()})
+        fa3 = fa3_forward(q, k_cache, v_cache, out, page_size=page, **step)
+        if fa3 is not None:
+            row.update({f"fa3_step_{k}": v for k, v in capture_costs(fa3).items()})
+    except Exception as error:  # noqa: BLE001  (the builds' figures stand; the row says what failed)
+        row["step_error"] = f"{type(error).__name__}: {error}"[:200]
     return row
 
 
 COLUMNS = ("constructor_s", "warmup_s", "total_s", "builds", "constructor_builds", "step_host_ms", "step_eager_ms",
-           "step_capture_ms", "fa3_step_host_ms", "fa3_step_eager_ms", "fa3_step_capture_ms")
+           "step_capture_ms", "fa3_step_host_ms", "fa3_step_eager_ms", "fa3_step_capture_ms", "step_error")
 
 
 def run_child(kind: str, processes: str) -> dict:
