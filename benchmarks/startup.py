@@ -52,53 +52,63 @@ CAPTURE_BATCH = 256
 CAPTURE_SEQ_LEN = 5
 
 
-def layer_forward(attn, q, k_cache, v_cache, out, *, batch: int, q_len: int, layers: int, tree: bool,
-                  index_dtype):
-    """What one captured engine step asks of evenkv: one plan of ``batch`` decode (q_len 1) or
-    verify rows of CAPTURE_SEQ_LEN tokens each (chains given as tree masks with ``tree``), then ``layers``
-    runs. q, out [>= batch * q_len, Hq, D]; k_cache, v_cache [slots, Hkv, D] with room for
-    batch * ceil(CAPTURE_SEQ_LEN / page_size) pages."""
+def step_batch(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, q_len: int, device):
+    """The captured step's batch (``benchmarks.peers.Batch``, bf16): CAPTURE_BATCH requests of
+    CAPTURE_SEQ_LEN tokens, q_len query tokens each, over a random KV pool."""
     import torch
 
-    dev, n = q.device, batch * q_len
-    pages = -(-CAPTURE_SEQ_LEN // attn.page_size)
-    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((batch,), CAPTURE_SEQ_LEN, dtype=index_dtype, device=dev)
-    table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
+    from benchmarks.decode_imbalance import Pool
+    from benchmarks.peers import Shape
+
+    shape = Shape("startup", num_q_heads, num_kv_heads, head_dim)
+    pool = Pool(shape, CAPTURE_BATCH * CAPTURE_SEQ_LEN, page_size, CAPTURE_BATCH, torch.bfloat16, device, seed=0)
+    return pool.batch([CAPTURE_SEQ_LEN] * CAPTURE_BATCH, seed=0, q_len=q_len)
+
+
+def layer_forward(attn, batch, *, layers: int, tree: bool, index_dtype):
+    """What one captured engine step asks of evenkv: one plan of ``batch``'s decode (q_len 1) or
+    verify rows (with ``tree``, as chains of tree masks: ``attn`` built with tree_masks=True),
+    then ``layers`` runs into ``batch.out``. index_dtype: the lengths' dtype the engine passes
+    (int32 or int64)."""
+    from benchmarks.peers.evenkv_impl import chain_mask
+
+    seq_lens, q_len = batch.seq_lens.to(index_dtype), batch.q_len
     rows = {}
     if q_len > 1:
-        # the chain an engine captures with: token t sees new tokens 0 .. t
-        chain = (1 << (torch.arange(q_len, dtype=torch.int32, device=dev) + 1)) - 1
-        tree_mask = chain.repeat(batch) if tree else None
-        rows = dict(decode_q_len=q_len, num_decode_tokens=n, tree_mask=tree_mask)
+        rows = dict(decode_q_len=q_len, num_decode_tokens=batch.batch_size * q_len,
+                    tree_mask=chain_mask(batch.cu_seqlens_q) if tree else None)
 
     def forward():
-        plan = attn.plan(cu, seq_lens, table, num_decodes=batch, max_q_len=q_len, **rows)
+        plan = attn.plan(batch.cu_seqlens_q, seq_lens, batch.page_table, num_decodes=batch.batch_size,
+                         max_q_len=q_len, **rows)
         for _ in range(layers):
-            attn.run(plan, q[:n], k_cache, v_cache, out=out[:n])
+            attn.run(plan, batch.q, batch.k_slots, batch.v_slots, out=batch.out)
     return forward
 
 
-def fa3_forward(q, k_cache, v_cache, out, *, page_size: int, batch: int, q_len: int, layers: int):
-    """The same step on FA3 varlen (vLLM's build), ``layers`` calls; None where it is not installed."""
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
+def fa3_forward(batch, *, layers: int):
+    """The same step on FA3 varlen as vLLM runs it (``benchmarks.peers.fa3``, FA3's own split):
+    its scheduler metadata, then ``layers`` calls; None where vLLM's FA3 build is not installed."""
+    import math
+
     import torch
 
-    dev, n, (_, hkv, d) = q.device, batch * q_len, k_cache.shape
-    pages = -(-CAPTURE_SEQ_LEN // page_size)
-    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((batch,), CAPTURE_SEQ_LEN, dtype=torch.int32, device=dev)
-    table = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
-    k_pages, v_pages = k_cache.view(-1, page_size, hkv, d), v_cache.view(-1, page_size, hkv, d)
+    from benchmarks.peers import Context, Shape, fa3
+
+    if not fa3.available()[0]:
+        return None
+    q, k = batch.q, batch.k_pages
+    shape = Shape("startup", q.shape[1], k.shape[2], k.shape[3])
+    ctx = Context(shape, q.dtype, q.device, batch.page_size, batch.batch_size, batch.page_table.shape[1],
+                  1 / math.sqrt(shape.head_dim), torch.cuda.get_device_properties(q.device).multi_processor_count,
+                  max_q_len=batch.q_len)
+    runner = fa3.make("auto", ctx)
+    runner.prepare(batch)
 
     def forward():
+        runner.plan()
         for _ in range(layers):
-            flash_attn_varlen_func(q[:n], k_pages, v_pages, max_seqlen_q=q_len, cu_seqlens_q=cu,
-                                   max_seqlen_k=CAPTURE_SEQ_LEN, seqused_k=seq_lens, softmax_scale=d ** -0.5,
-                                   causal=True, block_table=table, out=out[:n], fa_version=3)
+            runner.run()
     return forward
 
 
@@ -154,13 +164,12 @@ def measure(kind: str) -> dict:
     t2 = time.perf_counter()
     row = dict(constructor_s=round(t1 - t0, 3), warmup_s=round(t2 - t1, 3), total_s=round(t2 - t0, 3),
                builds=len(builds), constructor_builds=constructor_builds)
-    out = torch.empty_like(q)
-    step = dict(batch=CAPTURE_BATCH, q_len=spec["q_len"], layers=spec["layers"])
     try:
-        costs = capture_costs(layer_forward(attn, q, k_cache, v_cache, out, tree=spec["tree"],
-                                            index_dtype=torch.int64 if spec["int64"] else torch.int32, **step))
+        batch = step_batch(hq, hkv, d, page, spec["q_len"], dev)
+        costs = capture_costs(layer_forward(attn, batch, layers=spec["layers"], tree=spec["tree"],
+                                            index_dtype=torch.int64 if spec["int64"] else torch.int32))
         row.update({f"step_{k}": v for k, v in costs.items()})
-        fa3 = fa3_forward(q, k_cache, v_cache, out, page_size=page, **step)
+        fa3 = fa3_forward(batch, layers=spec["layers"])
         if fa3 is not None:
             row.update({f"fa3_step_{k}": v for k, v in capture_costs(fa3).items()})
     except Exception as error:  # noqa: BLE001  (the builds' figures stand; the row says what failed)

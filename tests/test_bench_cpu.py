@@ -1048,22 +1048,17 @@ def test_startup_step_is_the_planned_batch_on_every_layer(q_len, tree):
     from benchmarks import startup
     from evenkv.kernels.reference import extend_reference
 
-    hq, hkv, d, page, batch = 4, 2, 64, 1, 3
-    pages = -(-startup.CAPTURE_SEQ_LEN // page)
-    gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(batch * pages * page, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
-    q = torch.randn(batch * q_len + 2, hq, d, generator=gen).to(torch.bfloat16)
-    out = torch.zeros_like(q)
-    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cpu", 8, 8, max_decode_q_len=q_len, tree_masks=tree)
+    hq, hkv, d, page = 4, 2, 64, 1
+    batch = startup.step_batch(hq, hkv, d, page, q_len, "cpu")
+    assert batch.batch_size == startup.CAPTURE_BATCH and batch.max_len == startup.CAPTURE_SEQ_LEN
+    batch.out.zero_()
+    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, "cpu", startup.CAPTURE_BATCH,
+                            batch.page_table.shape[1], max_decode_q_len=q_len, tree_masks=tree)
     runs = []
     real_run = attn.run
     attn.run = lambda *args, **kw: runs.append(1) or real_run(*args, **kw)
-    startup.layer_forward(attn, q, k_cache, v_cache, out, batch=batch, q_len=q_len, layers=3, tree=tree,
-                          index_dtype=torch.int64)()
+    startup.layer_forward(attn, batch, layers=3, tree=tree, index_dtype=torch.int64)()
     assert len(runs) == 3
-    n = batch * q_len
-    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32)
-    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-    ref = extend_reference(q[:n], k_cache, v_cache, cu, torch.full((batch,), startup.CAPTURE_SEQ_LEN), table, page)
-    assert (out[:n].float() - ref).abs().max() < 2e-2
-    assert out[n:].abs().max() == 0  # rows past the step's are not written
+    ref = extend_reference(batch.q, batch.k_slots, batch.v_slots, batch.cu_seqlens_q, batch.seq_lens,
+                           batch.page_table, page)
+    assert (batch.out.float() - ref).abs().max() < 2e-2
