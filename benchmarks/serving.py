@@ -76,8 +76,9 @@ and TPOT p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per
 decode step p50 (vLLM), peak requests in flight, ``tokens_per_step`` (new tokens per request
 per engine step after its first: 1 without speculation, more when drafts were accepted;
 SGLang reports it only under speculation, from its verify-step count).
-``summary.md`` gives each backend's ratios to the engine's default backend in the same
-mode, tp, shape, workload and repeat, and its start-up difference.
+``run`` is the parent invocation's start (UTC), so the rows of several invocations merged into
+one CSV stay apart: ``summary.md`` gives each backend's ratios to the engine's default backend
+in the same run, mode, tp, shape, workload and repeat, and its start-up difference.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ BASELINES = {"vllm": ["FLASH_ATTN"], "sglang": ["fa3", "triton"]}  # run beside 
 WORKLOADS = ("chat", "chat-rate", "long-mix", "long-context", "prefill-heavy", "many-short")
 MODES = ("default", "batch-invariant", "spec-ngram")
 COLUMNS = ["engine", "engine_version", "mode", "tp", "shape", "backend", "workload", "graphs", "torch_compile", "spec",
-           "repeat", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
+           "repeat", "run", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
            "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
            "decode_steps", "tokens_per_step", "max_in_flight", "mem_fraction", "startup_s", "engine_init_s", "import_s",
            "startup_phases", "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
@@ -732,15 +733,15 @@ def _num(v):
 
 
 def row_group(r: dict) -> tuple:
-    """What a backend's row is compared on: the same engine, mode, tp, shape, workload, repeat
-    and vLLM torch.compile mode (rows of older CSVs, without these columns, count as default
-    mode, tp 1, repeat 1, compile mode 0)."""
+    """What a backend's row is compared on: the same engine, mode, tp, shape, workload, repeat,
+    vLLM torch.compile mode and run (rows of older CSVs, without these columns, count as default
+    mode, tp 1, repeat 1, compile mode 0, and one run)."""
     return (r["engine"], r.get("mode") or "default", str(r.get("tp") or 1), r["shape"], r["workload"],
-            str(r.get("repeat") or 1), str(r.get("torch_compile") or 0))
+            str(r.get("repeat") or 1), str(r.get("torch_compile") or 0), r.get("run") or "")
 
 
 def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
-    """Per (mode, tp, shape, workload, repeat) and backend != default: output tok/s ratio and
+    """Per (run, mode, tp, shape, workload, repeat) and backend != default: output tok/s ratio and
     TPOT p50 / TTFT p50 / decode step speed-ups (default's time over the backend's; higher is
     better, the default backend run in the same mode), and the start-up and engine-init
     differences in seconds (backend's minus default's; lower is better)."""
@@ -760,8 +761,8 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
             a, b = _num(a), _num(b)
             return round(a - b, 1) if a is not None and b is not None else None
 
-        out.append({"mode": key[1], "tp": key[2], "torch_compile": key[6], "shape": r["shape"],
-                    "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
+        out.append({"run": key[7] or "–", "mode": key[1], "tp": key[2], "torch_compile": key[6],
+                    "shape": r["shape"], "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
                     "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
                     "tpot_p50_speedup": over(d["tpot_p50_ms"], r["tpot_p50_ms"]),
                     "ttft_p50_speedup": over(d["ttft_p50_ms"], r["ttft_p50_ms"]),
@@ -780,7 +781,7 @@ def startup_rows(rows: list[dict]) -> list[dict]:
     with the STARTUP_COLUMNS; starts that measured nothing of it are left out."""
     starts = {}
     for r in rows:
-        key = tuple(str(r.get(c) or "") for c in STARTUP_COLUMNS[:8])
+        key = (r.get("run") or "", *(str(r.get(c) or "") for c in STARTUP_COLUMNS[:8]))
         if key not in starts and (r.get("startup_s") or r.get("engine_init_s") or r.get("startup_phases")):
             starts[key] = {c: r.get(c) or "" for c in STARTUP_COLUMNS}
     return list(starts.values())
@@ -800,10 +801,10 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
             continue
         lines += ["", f"## {engine}: against {DEFAULT_BACKEND[engine]} in the same mode (higher is better; "
                   "start-up: seconds more than it)", "",
-                  "| mode | tp | torch.compile | shape | workload | repeat | backend | output tok/s ratio | "
+                  "| run | mode | tp | torch.compile | shape | workload | repeat | backend | output tok/s ratio | "
                   "TPOT p50 speed-up | TTFT p50 speed-up | decode step speed-up | start-up +s | engine init +s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        keys = ("mode", "tp", "torch_compile", "shape", "workload", "repeat", "backend", "tok_s_ratio",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        keys = ("run", "mode", "tp", "torch_compile", "shape", "workload", "repeat", "backend", "tok_s_ratio",
                 "tpot_p50_speedup", "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
         lines += ["| " + " | ".join("–" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rs]
     starts = startup_rows(rows)
@@ -826,8 +827,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         if not rs:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(max(11, 0.7 * len(rs)), 3.8))
-        # The fields that tell the bars apart: shape, tp and repeat only where the run has several.
-        varying = [k for k in ("shape", "tp", "torch_compile", "repeat") if len({r[k] for r in rs}) > 1]
+        # The fields that tell the bars apart: shape, tp, repeat and run only where there are several.
+        varying = [k for k in ("shape", "tp", "torch_compile", "repeat", "run") if len({r[k] for r in rs}) > 1]
         labels = ["\n".join([r["workload"], r["mode"], r["backend"], *(f"{k} {r[k]}" for k in varying)]) for r in rs]
         for ax, key, title in ((axes[0], "tok_s_ratio", "output tokens/s"), (axes[1], "tpot_p50_speedup", "TPOT p50")):
             vals = [r[key] or 0 for r in rs]
@@ -941,6 +942,7 @@ def run_parent(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_end = time.time() + a.budget
+    run = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     failed = 0
     # One untimed import first: a fresh machine's first import of an engine writes its bytecode
     # cache, a cost that would otherwise land on the first child's startup time only.
@@ -965,7 +967,8 @@ def run_parent(a) -> int:
             rc = run_with_deadline(cmd, log, env, share)
         if rows_json.exists():
             phases = engine_startup_phases(log_path.read_text(errors="replace"), a.engine)
-            write_rows(out / "serving.csv", [{**r, "startup_phases": phases} for r in json.loads(rows_json.read_text())])
+            write_rows(out / "serving.csv",
+                       [{**r, "startup_phases": phases, "run": run} for r in json.loads(rows_json.read_text())])
             rows_json.unlink()
         if rc != 0:
             failed += 1

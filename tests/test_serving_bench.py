@@ -6,6 +6,7 @@ the GPU machine only."""
 import asyncio
 import csv
 import json
+import re
 import sys
 
 import pytest
@@ -179,7 +180,7 @@ def _rows():
 
 def test_ratios_summary_and_plots(tmp_path):
     rs = serving.ratios(_rows(), "vllm", "FLASH_ATTN")
-    common = {"tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1",
+    common = {"run": "–", "tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1",
               "backend": "evenkv"}
     assert rs == [{"mode": "default", **common, "tok_s_ratio": 1.1, "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None,
                    "decode_step_speedup": 1.267, "startup_delta_s": 3.5, "engine_init_delta_s": 1.0},
@@ -188,8 +189,8 @@ def test_ratios_summary_and_plots(tmp_path):
                    "engine_init_delta_s": None}]
     md = serving.summary_markdown(_rows(), ["a note"])
     assert "- a note" in md
-    assert "| default | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
-    assert "| batch-invariant | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
+    assert "| – | default | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
+    assert "| – | batch-invariant | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
     # start-up: one line per engine start, the chat and many-short rows of one evenkv start folded
     assert "| vllm | default | 1 | – | qwen3-8b | FLASH_ATTN | 1 | – | – | 50 | 30 | – | – |" in md
     assert "| vllm | default | 1 | – | qwen3-8b | evenkv | 1 | – | – | 53.5 | 31 | – | – |" in md
@@ -214,6 +215,23 @@ def test_ratios_pair_repeats_and_compile_modes_and_read_old_rows_as_default_mode
     assert [(r["backend"], r["repeat"], r["tok_s_ratio"]) for r in rs] == [("evenkv", "1", 1.2), ("evenkv", "2", 1.1)]
 
 
+def test_rows_of_two_runs_merged_into_one_csv_pair_within_their_run():
+    """Two invocations, each repeat 1 of the same workload: each backend row is compared with the
+    default backend's row of its own run, and each run's engine starts are listed apart."""
+    base = {"engine": "sglang", "mode": "spec-ngram", "tp": "1", "shape": "s", "workload": "long-mix", "repeat": "1",
+            "tpot_p50_ms": "10", "ttft_p50_ms": "100", "startup_s": "90", "start_order": "1"}
+    rows = [{**base, "run": "A", "backend": "fa3", "output_tok_s": "100"},
+            {**base, "run": "A", "backend": "evenkv", "output_tok_s": "90", "start_order": "2"},
+            {**base, "run": "B", "backend": "evenkv", "output_tok_s": "120"},
+            {**base, "run": "B", "backend": "fa3", "output_tok_s": "100", "start_order": "2"}]
+    rs = serving.ratios(rows, "sglang", "fa3")
+    assert [(r["run"], r["tok_s_ratio"]) for r in rs] == [("A", 0.9), ("B", 1.2)]
+    assert [(r["backend"], r["start_order"]) for r in serving.startup_rows(rows)] == [
+        ("fa3", "1"), ("evenkv", "2"), ("evenkv", "1"), ("fa3", "2")]
+    rows[3]["start_order"] = "1"  # the same start position in both runs: still two starts
+    assert len(serving.startup_rows(rows)) == 4
+
+
 def test_csv_written_by_an_older_version_is_rewritten_with_the_new_columns(tmp_path):
     path = tmp_path / "serving.csv"
     with path.open("w", newline="") as f:
@@ -230,7 +248,7 @@ def test_csv_written_by_an_older_version_is_rewritten_with_the_new_columns(tmp_p
 
 
 def test_the_csv_header_has_every_row_column():
-    for col in ("mode", "tp", "start_order", "repeat", "triton_cache", "engine_init_s", "import_s",
+    for col in ("mode", "tp", "start_order", "repeat", "run", "triton_cache", "engine_init_s", "import_s",
                 "compiled_during_run", "compiled_during_warmup", "tokens_per_step", "torch_compile", "spec"):
         assert col in serving.COLUMNS
     assert len(set(serving.COLUMNS)) == len(serving.COLUMNS)
@@ -398,6 +416,7 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
         assert r["status"] == f"{triton}|{triton}-vllm|{triton}-inductor"
         assert r["triton_cache"] == ("cold" if r["repeat"] == "1" else "warm")
         assert r["startup_phases"] == "scheduler_e2e=1.5;cuda_graph.decode=0.25"  # from the child's log
+    assert len({r["run"] for r in rows}) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rows[0]["run"])
     assert (out / "summary.md").exists()
 
 
