@@ -266,8 +266,9 @@ def _one_loop(config: DecodeConfig) -> DecodeConfig:
 
 # Verify rows that walk one loop per segment drain their pipeline at every segment: batches of
 # many short segments take a row that walks one loop across segments (docs/tuning.md "Decode,
-# verify rows"): the row the bucket ran before segment loops, except head dim 128 at 128 rows,
-# whose 64-token tile in one loop was faster than that row at B = 256 and 2048.
+# verify rows"): the bucket's own tile and schedule in one loop, except head dim 128 at 64 rows,
+# which keeps the 32-token tile it ran before segment loops (faster in one loop than the 64-token
+# tile at B = 256 and 2048).
 _DECODE_VERIFY_MANY_SEGMENTS = {
     "sm90": {
         "d64": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d64"].items() if cfg.segment_loops},
