@@ -20,7 +20,9 @@ local-memory traffic of the innermost loop whose body has an MMA (the tile loop;
 outside it costs once per segment or once per CTA): ``mma_loop_spills``, the spill stores
 (STL) in it and the loads (LDL) of local slots it stores, i.e. loop state that goes
 through local memory on every tile; ``mma_loop_reloads``, its loads of slots stored only
-outside it, i.e. a loop-invariant value rematerialised from local memory (an L1 hit).
+outside it, i.e. a loop-invariant value rematerialised from local memory (an L1 hit); and
+``stack_pointer_data_reads``, the conversion and arithmetic instructions that read the stack
+pointer as data (a ptxas miscompile; any is a wrong result).
 """
 
 import collections
@@ -48,6 +50,22 @@ WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 MMA = re.compile(r"\b[HQI]G?MMA\b")  # HMMA (mma.sync), HGMMA / QGMMA (16-bit / 8-bit wgmma), IMMA
+
+
+# R1 is the stack pointer in ptxas's code (``LDC R1, c[0x0][0x28]`` at entry): as an address base
+# ([R1+...]) it reaches local memory; as a data operand of a conversion or arithmetic instruction
+# it is a miscompile. Seen with Triton 3.6's ptxas (12.8.93): e4m3 values packed from fp32 and
+# unpacked again in the same thread, with some unpacks (``F2FP.F16.E4M3.UNPACK_B``) reading R1
+# in place of the packed pair.
+DATA_OP = re.compile(r"^(?:@!?U?P\w+\s+)?(?:F2FP|F2F|I2F|F2I|HADD2|HMUL2|HFMA2|FADD|FMUL|FFMA|FMNMX|PRMT)\b\S*\s+[^,]+,(.*)$")
+STACK_POINTER = re.compile(r"(?<![\w\[+.])[-|]?R1(?![0-9])")
+
+
+def stack_pointer_data_reads(sass: str) -> list[str]:
+    """The conversion and arithmetic instructions of ``sass`` that read R1, the stack pointer,
+    as a source operand (outside an address)."""
+    return [text for _, text in SASS_LINE.findall(sass)
+            for m in [DATA_OP.match(text)] if m and STACK_POINTER.search(re.sub(r"\[[^\]]*\]", "", m.group(1)))]
 
 
 def innermost_mma_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
@@ -124,7 +142,8 @@ def main():
                            wgmma=bool(re.search(r"\b[HQ]GMMA\b", sass)), cp_async="LDGSTS" in sass,
                            wgmma_serialized=WGMMA_SERIALIZED in ptxas_log,
                            mma_loop_spills=spills, mma_loop_reloads=reloads,
-                           mma_loop_instructions=sum(ops.values()), mma_loop_ops=ops))
+                           mma_loop_instructions=sum(ops.values()), mma_loop_ops=ops,
+                           stack_pointer_data_reads=stack_pointer_data_reads(sass)))
     print(json.dumps(result))
 
 

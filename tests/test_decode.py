@@ -328,6 +328,20 @@ def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_f
         _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8)
 
 
+def test_stack_pointer_data_reads_flags_the_miscompile():
+    """The SASS check every compile test applies: the ptxas miscompile seen with Triton 3.6 (an
+    e4m3 unpack reading R1, the stack pointer, in place of a packed pair), or any conversion or
+    arithmetic reading R1, is flagged; R1 as a local-memory address base or in an address
+    computation, registers R10-R19 and the uniform UR1 are not."""
+    import aot_compile
+    lines = ["LDC R1, c[0x0][0x28]", "STL [R1+0x8], R5", "LDL R4, [R1+0x10]", "IADD3 R2, R1, 0x10, RZ",
+             "F2FP.F16.E4M3.UNPACK_B R10, R11", "F2FP.F16.E4M3.UNPACK_B R12, R13.H1", "HADD2.F32 R8, -RZ, R13.H0_H0",
+             "FADD R3, R10, UR1", "F2FP.F16.E4M3.UNPACK_B R57, R1", "@!P4 FMUL R5, -R1.reuse, R2"]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {line} ;  /* 0x0 */" for i, line in enumerate(lines))
+    assert aot_compile.stack_pointer_data_reads(sass) == ["F2FP.F16.E4M3.UNPACK_B R57, R1",
+                                                         "@!P4 FMUL R5, -R1.reuse, R2"]
+
+
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None,
                         deterministic=True):
     """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
@@ -353,6 +367,8 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
     if starved_check:
         variants.append(dict(cap=cap, consts=modes[0], options=dict(options, maxnreg=80)))
     results = aot_compile(dict(common, kernel="evenkv.kernels.decode:decode_stream_kernel", variants=variants))
+    for r in results:
+        assert not r["stack_pointer_data_reads"], f"miscompiled: {r['stack_pointer_data_reads']}"
     for consts, stream in zip(modes, results):
         assert _resident_ctas(stream, cfg.num_warps, cap) >= cfg.max_ctas_per_sm, stream
         assert not stream["wgmma_serialized"], f"ptxas serialized the wgmma dots: {stream}"
@@ -378,6 +394,7 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
         # all-rows step is [2, 16, 128] at G = 8, q_len 2); it runs once per segment, not per tile.
         allowed = 8 if (query.multi_q and layer_terms and name == "merge_stream_kernel") else 0
         assert r["stack"] <= allowed, f"{name}: {r}"
+        assert not r["stack_pointer_data_reads"], f"{name} miscompiled: {r['stack_pointer_data_reads']}"
 
 
 @pytest.mark.parametrize("head_dim,page_size", [(128, 16), (64, 1)], ids=["d128-p16", "d64-p1"])
@@ -448,6 +465,7 @@ def test_fp8_kv_write_compiles_for_sm90():
                             variants=[dict(cap=90, consts=dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128,
                                                                KV_FP8=True), options=dict(num_warps=4))]))
     assert r["stack"] == 0, r
+    assert not r["stack_pointer_data_reads"], r
 
 
 @pytest.mark.parametrize("cap", [90, 80])
@@ -459,6 +477,7 @@ def test_planning_and_write_kernels_compile_for_cuda(kernel, consts, warps, cap)
     (r,) = aot_compile(dict(kernel=kernel, bf16=["k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr"],
                             variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
     assert r["stack"] == 0, r
+    assert not r["stack_pointer_data_reads"], r
 
 
 def test_deterministic_invariance_to_position_batch_size_and_padding(device):

@@ -541,6 +541,7 @@ def test_sm90_table_config_compiles_without_spills():
     for flags, r in zip(variants, results):
         assert r["stack"] == 0, f"{flags}: {r['stack']} bytes of stack (register spills)"
         assert r["wgmma"] and r["cp_async"], f"{flags}: expected wgmma dots and cp.async K/V loads"
+        assert not r["stack_pointer_data_reads"], f"{flags}: miscompiled: {r['stack_pointer_data_reads']}"
 
 
 # -- GPU lane: realistic shapes ------------------------------------------------------------------
