@@ -57,7 +57,10 @@ server's first log line to a healthy ``/health``), ``import_s`` the engine impor
 transform, torch.compile, graph capture and init engine; SGLang's startup timings, graph capture
 per forward mode included), and evenkv's kernel builds. A workload a child did not finish (its
 share of the budget ran out: ``stopped``; the engine failed: ``error: ...``) still gets a row
-with the start-up figures measured.
+with the start-up figures measured. ``--startup-only`` starts and stops each engine, sized for
+``--workloads`` as a full run would be, and serves nothing: one row per child, workload
+``startup:<workloads>``, with the start-up figures alone (cheap start-up pairs, e.g. both start
+orders with a cold and a warm cache).
 Children start in an order that rotates per (mode, shape) group and per repeat
 (``child_order``; ``--first`` picks who starts the first group); ``start_order`` is a child's
 position in the whole run. ``--triton-cache fresh`` gives each child an empty
@@ -582,6 +585,8 @@ def memory_fraction(engine: str, mode: str, mem: float | None) -> float:
 def run_child(a, rows: list[dict]):
     """Start the engine once and run every workload, appending one result row per workload to ``rows``."""
     works = [make_workload(n, a.size, a.seed, a.rate) for n in a.workloads.split(",")]
+    # The rows this child owes: one per workload, or one for the start-up alone.
+    row_names = ["startup:" + a.workloads] if a.startup_only else [w.name for w in works]
     # A margin over the longest request: SGLang stops a request one token short of its context length.
     max_len = max(w.max_len for w in works) + 16
     max_seqs = max(len(w.prompt_lens) for w in works)
@@ -633,6 +638,10 @@ def run_child(a, rows: list[dict]):
         base["triton_compiles_startup"] = len(startup)
         if a.compiled_startup_file:
             Path(a.compiled_startup_file).write_text("".join(n + "\n" for n in startup))
+        if a.startup_only:
+            rows.append({**base, "workload": row_names[0], "status": "ok"})
+            finished.add(row_names[0])
+            return
         before = compiled_kernels(cache)
         serve(warmup)
         base["compiled_during_warmup"] = ";".join(compiled_since(before, cache))
@@ -648,7 +657,7 @@ def run_child(a, rows: list[dict]):
     except BaseException as error:
         # A row for each workload that did not finish, with the start-up figures measured so far.
         status = unfinished_status(error)
-        rows.extend({**base, "workload": w.name, "status": status} for w in works if w.name not in finished)
+        rows.extend({**base, "workload": name, "status": status} for name in row_names if name not in finished)
         raise
     finally:
         if proc is not None:
@@ -916,6 +925,7 @@ def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
     cmd += [] if a.mem is None else ["--mem", str(a.mem)]
     cmd += ["--graphs"] if a.graphs else ["--no-graphs"]
     cmd += ["--vllm-compile"] if a.vllm_compile else ["--no-vllm-compile"]
+    cmd += ["--startup-only"] if a.startup_only else []
     return cmd
 
 
@@ -1016,6 +1026,8 @@ def parse_args(argv=None):
         p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "evenkv-serving-models"))
         p.add_argument("--port", type=int, default=30123)
         p.add_argument("--startup-timeout", type=float, default=400)
+        p.add_argument("--startup-only", action="store_true",
+                       help="start each engine (sized for --workloads), record its start-up, stop it; serve nothing")
         if name == "child":
             p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
             p.add_argument("--shape", choices=sorted(SHAPES), required=True)

@@ -492,3 +492,57 @@ def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypat
     assert serving.unfinished_status(SystemExit(143)) == "stopped"
     assert serving.unfinished_status(ValueError("x" * 300)).startswith("error: ValueError: xxx")
     assert len(serving.unfinished_status(ValueError("x" * 300))) < 200
+
+
+_HEALTHY_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+print("server_args=...", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_startup_only_child_records_its_start_and_stops_its_server(tmp_path, monkeypatch):
+    """--startup-only: the server starts, becomes healthy, is stopped, and the child leaves one
+    row (workload startup:<workloads>) with the start-up figures and no workload numbers; the
+    parent passes the flag on."""
+    import socket
+    import types
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = []
+
+    def fake_server_cmd(*args):
+        started.append(args)
+        return [sys.executable, "-c", _HEALTHY_SERVER, str(port)]
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0-test"))
+    monkeypatch.setattr(serving, "sglang_server_cmd", fake_server_cmd)
+    stopped = []
+    real_stop = serving.stop_server
+    monkeypatch.setattr(serving, "stop_server", lambda proc: (real_stop(proc), stopped.append(proc.poll())))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    a = serving.parse_args(["child", "--engine", "sglang", "--shape", "qwen3-30b-a3b-attn", "--backend", "evenkv",
+                            "--mode", "spec-ngram", "--workloads", "chat,long-mix", "--model-dir", str(tmp_path),
+                            "--port", str(port), "--startup-timeout", "60", "--startup-only"])
+    rows = []
+    serving.run_child(a, rows)
+    # Sized as a full run of both workloads would be: long-mix's requests.
+    assert len(started) == 1 and started[0][4] == len(serving.make_workload("long-mix", "quick").prompt_lens)
+    assert stopped and stopped[0] is not None  # the server's process has exited
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["workload"] == "startup:chat,long-mix" and r["status"] == "ok"
+    assert r["startup_s"] >= 0 and r["triton_compiles_startup"] == 0 and "output_tok_s" not in r
+    parent = serving.parse_args(["sglang", "--out", str(tmp_path), "--startup-only"])
+    child = serving.Child(1, "spec-ngram", "qwen3-30b-a3b-attn", "evenkv", 1)
+    assert "--startup-only" in serving.child_cmd(parent, child, tmp_path / "r.json", tmp_path / "s.txt")
+    parent = serving.parse_args(["sglang", "--out", str(tmp_path)])
+    assert "--startup-only" not in serving.child_cmd(parent, child, tmp_path / "r.json", tmp_path / "s.txt")
