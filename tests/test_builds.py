@@ -175,3 +175,27 @@ def test_children_fill_the_disk_cache_the_parent_loads():
     proc = subprocess.run([sys.executable, "-c", REAL_BUILDS], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]
+
+
+def test_children_build_each_kernels_launcher_too(tmp_path, monkeypatch):
+    """A child builds the kernel, then its launcher (Triton's ``launcher_cls`` on the compiled
+    kernel's source and metadata), so that the parent's first launch finds it in the disk cache;
+    the parent itself builds no launcher. Stand-ins for the compiled kernel and the driver."""
+    import types
+
+    class Compiled:
+        def __init__(self, name):
+            self.src, self.metadata = f"src-{name}", f"meta-{name}"
+
+    def launcher_cls(src, metadata):
+        (tmp_path / f"launcher-{src}-{metadata}.{os.getpid()}").touch()
+
+    monkeypatch.setattr(launching, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        launcher_cls=launcher_cls)))
+    names = ["a", "b", "c"]
+    with launching.ForkedBuilds(processes=2) as mode:
+        futures = [_submit(mode, name, lambda name=name: Compiled(name), []) for name in names]
+    assert [f.result().src for f in futures] == [f"src-{name}" for name in names]
+    built = {p.name.split(".")[0]: int(p.suffix[1:]) for p in tmp_path.iterdir()}
+    assert sorted(built) == [f"launcher-src-{n}-meta-{n}" for n in names]
+    assert os.getpid() not in built.values(), "the launchers are built in the children, not here"

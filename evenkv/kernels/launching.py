@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -170,7 +171,7 @@ class ForkedBuilds(AsyncCompileMode or object):
     children, each compiling its share into Triton's on-disk cache and exiting (a build for a
     given target makes no CUDA call, so the children never touch the parent's CUDA context),
     then runs every build again in this process, where it loads the children's binaries from
-    that cache. A build no child finished (a failure, a timeout, a cache that stores nothing)
+    that cache. The children also build each kernel's launcher (``build_with_launcher``). A build no child finished (a failure, a timeout, a cache that stores nothing)
     compiles here, raising its error where Triton's own mode raises it. When the cache already
     holds every held build (``in_disk_cache``), nothing forks: each is loaded here."""
 
@@ -195,7 +196,8 @@ class ForkedBuilds(AsyncCompileMode or object):
         # large process) would cost more than the loads.
         if (self.processes > 1 and len(held) > 1 and hasattr(os, "fork") and not _always_compile()
                 and not all(in_disk_cache(future._key) for _, future in held)):
-            build_in_children([compile_fn for compile_fn, _ in held], self.processes)
+            build_in_children([functools.partial(build_with_launcher, compile_fn) for compile_fn, _ in held],
+                              self.processes)
         for compile_fn, future in held:
             try:
                 future.set_result(compile_fn())
@@ -209,6 +211,18 @@ class ForkedBuilds(AsyncCompileMode or object):
             return super().__exit__(exc_type, exc_value, traceback)
         finally:  # Triton's exit leaves the mode active when a build raised
             active_mode.set(None)
+
+
+def build_with_launcher(compile_fn) -> None:
+    """A child's build: the kernel's binary, then its launcher. Triton builds a kernel's launcher
+    (a C extension for its argument signature, compiled by the host's C compiler, a few tenths of
+    a second each) at its first launch, in the launching process, one after another; built in a
+    child, it is in Triton's disk cache too, and that first launch only loads it."""
+    compiled = compile_fn()
+    if hasattr(compiled, "src") and hasattr(compiled, "metadata"):
+        launcher_cls = getattr(driver.active, "launcher_cls", None)
+        if launcher_cls is not None:
+            launcher_cls(compiled.src, compiled.metadata)
 
 
 def in_disk_cache(key: str) -> bool:

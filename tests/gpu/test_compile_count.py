@@ -7,6 +7,8 @@ buckets and the many-segments threshold, page tables of any width, int32 and int
 lengths, pages 16 (vLLM-like tensors) and 1 (SGLang-like, new tokens in k_new/v_new).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -81,9 +83,21 @@ def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
     happens in a forked child: this process only loads the children's binaries (Triton's compile listener sees a
     cache hit for each), and the object then decodes a batch correctly without a build. A
     shape nothing else in this process built (5 q / 1 KV heads of 96) keeps the in-memory
-    kernel caches out of it. The persistent grids come from the built decode kernels."""
+    kernel caches out of it. The persistent grids come from the built decode kernels. The children
+    build the kernels' launchers too: this process compiles none (Triton's ``_build`` of a
+    ``__triton_launcher`` module), neither in the warm-up nor at the first launches."""
     import triton
+    import triton.runtime.build as triton_build
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    launchers_built_here = []
+    parent, real_build = os.getpid(), triton_build._build
+
+    def recording_build(name, *args, **kwargs):
+        if name == "__triton_launcher" and os.getpid() == parent:
+            launchers_built_here.append(name)
+        return real_build(name, *args, **kwargs)
+
+    monkeypatch.setattr(triton_build, "_build", recording_build)
     monkeypatch.setenv("EVENKV_BUILD_PROCESSES", "4")
     hits = []
     monkeypatch.setattr(triton.knobs.compilation, "listener", lambda *, cache_hit, **_: hits.append(cache_hit))
@@ -104,6 +118,7 @@ def test_cold_warmup_builds_in_children(compiles, tmp_path, monkeypatch):
     cu = torch.arange(5, dtype=torch.int32, device="cuda")
     out = attn.run(attn.plan(cu, seq_lens, table, num_decodes=4, max_q_len=1), q, k_cache, v_cache)
     assert compiles == []
+    assert launchers_built_here == [], f"{len(launchers_built_here)} launchers compiled here, not in a child"
     ref = decode_reference(q, k_cache, v_cache, seq_lens, table, page)
     base = (lowp_decode(q, k_cache, v_cache, seq_lens, table, page).float() - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * base + TOLERANCE_FLOOR[q.dtype]
