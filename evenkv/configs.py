@@ -174,6 +174,10 @@ _DECODE_FP8 = {
     "sm90": {
         "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=3,
                              max_registers=168, programmatic_launch=True),
+        # The page-1 row's tile and schedule at every page size: the paged row's 128 registers
+        # spill in an FP8 tile loop (docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
+        "d256": DecodeConfig("sm90-d256-fp8", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                             max_registers=168, programmatic_launch=True),
     },
 }
 

@@ -315,16 +315,17 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8)], ids=["gpt-oss", "qwen3"])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8), (256, 2, 8)],
+                         ids=["gpt-oss", "qwen3", "qwen3-next"])
 def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_fp8):
     """With a soft-cap and bf16 sinks, over a bf16 or an FP8 cache, the sm90 rows a layer
-    can run (an FP8 cache has its own rows and no many-segments row) still fit their CTAs
-    per SM and keep local memory out of the tile loop (gpt-oss's and Qwen3-30B-A3B's
-    attention shapes)."""
+    can run at page size 16 (an FP8 cache has its own rows and no many-segments row) still fit
+    their CTAs per SM and keep local memory out of the tile loop (gpt-oss's, Qwen3-30B-A3B's
+    and Qwen3-Next's attention shapes)."""
     from evenkv.configs import decode_config, many_segments_config
-    rows = {decode_config("sm90", head_dim, 16, kv_fp8), many_segments_config("sm90", head_dim, 16, kv_fp8)}
-    assert (None in rows) == kv_fp8
-    for cfg in rows - {None}:
+    many = many_segments_config("sm90", head_dim, 16, kv_fp8)
+    assert many is None if kv_fp8 or head_dim == 256 else many is not None
+    for cfg in {decode_config("sm90", head_dim, 16, kv_fp8), many} - {None}:
         _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8)
 
 
