@@ -231,6 +231,20 @@ _DECODE_VERIFY = {
 }
 
 
+# An FP8 cache's tiles are widened in registers: where a verify row's register cap puts spills
+# into that tile loop (head dim 128: 32 tile rows at 128 registers, 16 rows with tree masks at
+# 168), an FP8 cache runs a row of the same tile with more registers and fewer CTAs per SM
+# (tests/test_decode.py; docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
+_DECODE_VERIFY_FP8 = {
+    "sm90": {
+        "d128": {16: DecodeConfig("sm90-d<=128-r16-fp8", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
+                                  max_registers=224, programmatic_launch=True),
+                 32: DecodeConfig("sm90-d<=128-r32-fp8", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                                  max_registers=168, programmatic_launch=True, segment_loops=True)},
+    },
+}
+
+
 def max_tile_rows(arch: str, head_dim: int) -> int:
     """The most packed rows (G x q_len, ``decode_launch.tile_rows``) a verify tile of this head
     dim takes."""
@@ -248,7 +262,8 @@ def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False
         if rows not in verify:
             raise ValueError(f"rows: expected a power of two in 16..{max(verify)} for head dim {head_dim} on {arch}, "
                              f"got {rows}")
-        return verify[rows]
+        fp8_row = _DECODE_VERIFY_FP8.get(arch, {}).get(key, {}).get(rows) if kv_fp8 else None
+        return fp8_row or verify[rows]
     if kv_fp8 and key in _DECODE_FP8.get(check_arch(arch), {}):
         return _DECODE_FP8[arch][key]
     if page_size >= PAGED_MIN_PAGE and key in _DECODE_PAGED.get(check_arch(arch), {}):
@@ -284,6 +299,21 @@ _DECODE_VERIFY_MANY_SEGMENTS = {
     },
 }
 
+# Over an FP8 cache some one-loop rows spill in the tile loop: 32 rows at 128 registers (head
+# dim 64 and 128; head dim 128 also at 168) and head dim 256's 64 rows at 224. The same tiles
+# with more registers keep local memory out of it: head dim 64 at 168 and 3 CTAs per SM, head
+# dim 128 at 224 and 2, head dim 256 at 255 and still 1 (compiled, not timed).
+_DECODE_VERIFY_MANY_SEGMENTS_FP8 = {
+    "sm90": {
+        "d64": {32: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d64"][32], name="sm90-d64-r32-fp8-one-loop",
+                            max_ctas_per_sm=3, max_registers=168)},
+        "d128": {32: DecodeConfig("sm90-d<=128-r32-fp8-one-loop", block_n=64, num_warps=4, num_stages=3,
+                                  max_ctas_per_sm=2, max_registers=224, programmatic_launch=True)},
+        "d256": {64: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d256"][64], name="sm90-d256-r64-fp8-one-loop",
+                             max_registers=255)},
+    },
+}
+
 
 def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False,
                          rows: int | None = None) -> DecodeConfig | None:
@@ -296,7 +326,8 @@ def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool 
     key = head_dim_class(head_dim)
     if rows is not None:
         decode_config(arch, head_dim, page_size, kv_fp8, rows)  # checks rows
-        return _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
+        fp8_row = _DECODE_VERIFY_MANY_SEGMENTS_FP8.get(arch, {}).get(key, {}).get(rows) if kv_fp8 else None
+        return fp8_row or _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
     min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(key, (None, None))
     return config if config is not None and page_size >= min_page and not kv_fp8 else None
 

@@ -275,27 +275,30 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
         _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group)
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8), (256, 2, 8)],
                          ids=["gpt-oss", "qwen3", "qwen3-next"])
-def test_verify_rows_compile(head_dim, num_kv_heads, group):
+def test_verify_rows_compile(head_dim, num_kv_heads, group, kv_fp8):
     """Each sm90 verify row (16 to 128 tile rows: G = 8 query heads x 2 to 16 tokens) and its
-    many-segments row, with tree masks and with every layer term, fits its resident CTAs per SM
-    with no local memory in the tile loop, and its merge kernels spill nothing (the many-segments
-    row's deterministic build where deterministic mode runs it: the same tile)."""
+    many-segments row, over a bf16 or an FP8 cache, with tree masks and with every layer term,
+    fits its resident CTAs per SM with no local memory in the tile loop, and its merge kernels
+    spill nothing (the many-segments row's deterministic build where deterministic mode runs it:
+    the same tile)."""
     from evenkv.configs import decode_config, many_segments_config, max_tile_rows, same_tile
     from evenkv.kernels.decode_launch import QueryRows, tile_rows
     for q_len in (2, 4, 8, 16):
         rows = tile_rows(group, q_len)
         if rows > max_tile_rows("sm90", head_dim):
             continue
-        cfg = decode_config("sm90", head_dim, 16, rows=rows)
-        many = many_segments_config("sm90", head_dim, 16, rows=rows)
+        cfg = decode_config("sm90", head_dim, 16, kv_fp8, rows=rows)
+        many = many_segments_config("sm90", head_dim, 16, kv_fp8, rows=rows)
         for tree, terms in ((False, False), (True, False), (False, True)):
             query = QueryRows(q_len, group * q_len, tree)
-            _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=terms, query=query)
+            _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=terms, kv_fp8=kv_fp8,
+                                query=query)
             if many is not None:
-                _check_row_compiles(many, 90, head_dim, num_kv_heads, group, layer_terms=terms, query=query,
-                                    deterministic=same_tile(cfg, many))
+                _check_row_compiles(many, 90, head_dim, num_kv_heads, group, layer_terms=terms, kv_fp8=kv_fp8,
+                                    query=query, deterministic=same_tile(cfg, many))
 
 
 @pytest.mark.parametrize("head_dim,num_kv_heads,group,ctas,min_page", [(64, 8, 4, 8, 1), (128, 4, 8, 5, 16)],

@@ -290,36 +290,45 @@ def test_both_stream_walks(device, segment_loops, deterministic):
         assert torch.equal(alone, out[:4])
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["balanced", "deterministic"])
-def test_many_segments_verify_rows(device, deterministic):
+def test_many_segments_verify_rows(device, deterministic, kv_fp8):
     """Verify rows whose row walks one loop per segment (sm90 head dim 128, 4 tokens at G = 8:
-    32 tile rows) run batches of >= MANY_SEGMENTS_PER_CTA segments per CTA on the table's one-loop
-    row, smaller ones on the main row, both to the reference; deterministic mode keeps the
-    one-loop row only where its tile is the main row's (32 rows: a request gets the same bits
-    in either), not for 64 rows (8 tokens), whose one-loop row has 32-token tiles."""
+    32 tile rows; over an FP8 cache its own rows of the same tile) run batches of >=
+    MANY_SEGMENTS_PER_CTA segments per CTA on the table's one-loop row, smaller ones on the main
+    row, both to the reference; deterministic mode keeps the one-loop row only where its tile is
+    the main row's (32 rows: a request gets the same bits in either), not for 64 rows (8 tokens),
+    whose one-loop row has 32-token tiles."""
     from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
     hq, hkv, d, ps, dtype = 8, 1, 128, 16, torch.bfloat16
-    main, many = decode_config("sm90", d, ps, rows=32), many_segments_config("sm90", d, ps, rows=32)
+    main, many = decode_config("sm90", d, ps, kv_fp8, 32), many_segments_config("sm90", d, ps, kv_fp8, 32)
     assert main.segment_loops and not many.segment_loops and (many.block_n, many.num_warps) == (main.block_n,
                                                                                                    main.num_warps)
-    probe = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, 1, 8, max_q_len=4, arch="sm90")
+    assert ("fp8" in main.name and "fp8" in many.name) == kv_fp8
+    kv_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    probe = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, 1, 8, max_q_len=4, arch="sm90", kv_dtype=kv_dtype)
     threshold = -(-MANY_SEGMENTS_PER_CTA * probe.launch_config(1, 4)[1] // hkv)
     lens = [int(x) for x in torch.randint(4, 40, (threshold,), generator=torch.Generator().manual_seed(11))]
     lens[0] = 300
     q_lens = [4] * threshold
     q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, d, ps, dtype, device, seed=11)
+    scales = {}
+    if kv_fp8:
+        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
+        scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
     attn = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, threshold, pt.shape[1], max_q_len=4, arch="sm90",
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, kv_dtype=kv_dtype)
     plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4)
     assert plan.config == many
-    out = attn.run(plan, q, kc, vc)
-    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps)
+    out = attn.run(plan, q, kc, vc, **scales)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, **scales)
     alone = attn.plan(seq_lens[:1], pt[:1], cu_seqlens_q=cu[:2], q_len=4)
     assert alone.config == main
-    out_alone = attn.run(alone, q[:4], kc, vc)
+    out_alone = attn.run(alone, q[:4], kc, vc, **scales)
     if deterministic:
         assert torch.equal(out_alone, out[:4])
     wide = evenkv.DecodeAttention(hq, hkv, d, ps, dtype, device, threshold, pt.shape[1], max_q_len=8, arch="sm90",
-                                  deterministic=deterministic)
-    expected = decode_config("sm90", d, ps, rows=64) if deterministic else many_segments_config("sm90", d, ps, rows=64)
+                                  deterministic=deterministic, kv_dtype=kv_dtype)
+    expected = decode_config("sm90", d, ps, kv_fp8, 64) if deterministic else \
+        many_segments_config("sm90", d, ps, kv_fp8, 64)
     assert wide.launch_config(threshold, 8)[0] == expected
