@@ -176,8 +176,7 @@ _DECODE_FP8 = {
                              max_registers=168, programmatic_launch=True),
         # The page-1 row's tile and schedule at every page size: the paged row's 128 registers
         # spill in an FP8 tile loop (docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
-        "d256": DecodeConfig("sm90-d256-fp8", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=3,
-                             max_registers=168, programmatic_launch=True),
+        "d256": replace(_DECODE["sm90"]["d256"], name="sm90-d256-fp8"),
     },
 }
 
@@ -237,10 +236,10 @@ _DECODE_VERIFY = {
 # (tests/test_decode.py; docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
 _DECODE_VERIFY_FP8 = {
     "sm90": {
-        "d128": {16: DecodeConfig("sm90-d<=128-r16-fp8", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
-                                  max_registers=224, programmatic_launch=True),
-                 32: DecodeConfig("sm90-d<=128-r32-fp8", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
-                                  max_registers=168, programmatic_launch=True, segment_loops=True)},
+        "d128": {16: replace(_DECODE_VERIFY["sm90"]["d128"][16], name="sm90-d<=128-r16-fp8", max_ctas_per_sm=2,
+                             max_registers=224),
+                 32: replace(_DECODE_VERIFY["sm90"]["d128"][32], name="sm90-d<=128-r32-fp8", num_stages=3,
+                             max_ctas_per_sm=3, max_registers=168)},
     },
 }
 
@@ -307,8 +306,8 @@ _DECODE_VERIFY_MANY_SEGMENTS_FP8 = {
     "sm90": {
         "d64": {32: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d64"][32], name="sm90-d64-r32-fp8-one-loop",
                             max_ctas_per_sm=3, max_registers=168)},
-        "d128": {32: DecodeConfig("sm90-d<=128-r32-fp8-one-loop", block_n=64, num_warps=4, num_stages=3,
-                                  max_ctas_per_sm=2, max_registers=224, programmatic_launch=True)},
+        "d128": {32: replace(_one_loop(_DECODE_VERIFY_FP8["sm90"]["d128"][32]), max_ctas_per_sm=2,
+                             max_registers=224)},
         "d256": {64: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d256"][64], name="sm90-d256-r64-fp8-one-loop",
                              max_registers=255)},
     },

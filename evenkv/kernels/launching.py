@@ -171,9 +171,10 @@ class ForkedBuilds(AsyncCompileMode or object):
     children, each compiling its share into Triton's on-disk cache and exiting (a build for a
     given target makes no CUDA call, so the children never touch the parent's CUDA context),
     then runs every build again in this process, where it loads the children's binaries from
-    that cache. The children also build each kernel's launcher (``build_with_launcher``). A build no child finished (a failure, a timeout, a cache that stores nothing)
-    compiles here, raising its error where Triton's own mode raises it. When the cache already
-    holds every held build (``in_disk_cache``), nothing forks: each is loaded here."""
+    that cache. The children also build each kernel's launcher (``build_with_launcher``). A build
+    no child finished (a failure, a timeout, a cache that stores nothing) compiles here, raising
+    its error where Triton's own mode raises it. When the cache already holds every held build
+    (``in_disk_cache``), nothing forks: each is loaded here."""
 
     def __init__(self, processes: int):
         super().__init__(executor=None)
