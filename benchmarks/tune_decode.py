@@ -78,6 +78,21 @@ def parse_config(name):
                         programmatic_launch=True, segment_loops=loops is not None)
 
 
+def table_configs(head_dim, page, rows, kv_fp8):
+    """evenkv.configs' rows for ``head_dim`` and ``page`` (verify rows of ``rows`` tile rows
+    when given), sm80's and sm90's, the many-segments rows included: each is passed
+    explicitly, so every row runs at every point, not only where DecodeAttention would pick
+    it. Over an FP8 cache (``kv_fp8``) the FP8 rows come first, then the bf16 rows they
+    replace. One config per name."""
+    configs = {}
+    for arch, fp8 in itertools.product(("sm80", "sm90"), (True, False) if kv_fp8 else (False,)):
+        for cfg in (evenkv.decode_config(arch, head_dim, page, fp8, rows=rows),
+                    many_segments_config(arch, head_dim, page, fp8, rows=rows)):
+            if cfg is not None:
+                configs.setdefault(cfg.name, cfg)
+    return list(configs.values())
+
+
 def main():
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_decode")
     ap.add_argument("--out", required=True)
@@ -108,15 +123,9 @@ def main():
         k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
         scales = dict(k_scale=0.05, v_scale=0.05)
     q_len = args.q_len
-    if args.configs == "tables" and q_len > 1:
-        rows = tile_rows(hq // hkv, q_len)
-        many = [many_segments_config(a, d, page, rows=rows) for a in ("sm80", "sm90")]
-        configs = [evenkv.decode_config(a, d, page, rows=rows) for a in ("sm80", "sm90")] + [c for c in many if c]
-    elif args.configs == "tables":
-        # Every row at every point (each config is passed explicitly, so the many-segments
-        # row runs at all batch sizes, not only where DecodeAttention would pick it).
-        many = [many_segments_config(a, d, page) for a in ("sm80", "sm90")]
-        configs = [evenkv.decode_config(a, d, page) for a in ("sm80", "sm90")] + [c for c in many if c is not None]
+    if args.configs == "tables":
+        configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None,
+                                args.kv_dtype == "fp8")
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}")
                    for bn, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4))]

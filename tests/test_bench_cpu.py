@@ -1062,3 +1062,17 @@ def test_startup_step_is_the_planned_batch_on_every_layer(q_len, tree):
     ref = extend_reference(batch.q, batch.k_slots, batch.v_slots, batch.cu_seqlens_q, batch.seq_lens,
                            batch.page_table, page)
     assert (batch.out.float() - ref).abs().max() < 2e-2
+
+
+def test_tune_decode_tables_time_fp8_rows_beside_the_bf16_rows():
+    from benchmarks import tune_decode
+    import evenkv
+    from evenkv.configs import many_segments_config
+    bf16 = [c.name for c in tune_decode.table_configs(256, 16, None, False)]
+    fp8 = [c.name for c in tune_decode.table_configs(256, 16, None, True)]
+    assert evenkv.decode_config("sm90", 256, 16, True).name in fp8
+    assert evenkv.decode_config("sm90", 256, 16).name in fp8 and set(bf16) < set(fp8)
+    assert len(fp8) == len(set(fp8))
+    verify = [c.name for c in tune_decode.table_configs(128, 16, 32, True)]
+    assert {evenkv.decode_config("sm90", 128, 16, True, rows=32).name, evenkv.decode_config("sm90", 128, 16, rows=32).name,
+            many_segments_config("sm90", 128, 16, True, rows=32).name} <= set(verify)
