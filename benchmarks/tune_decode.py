@@ -78,14 +78,14 @@ def parse_config(name):
                         programmatic_launch=True, segment_loops=loops is not None)
 
 
-def table_configs(head_dim, page, rows, kv_fp8):
+def table_configs(head_dim, page, rows, kv_fp8, archs=("sm80", "sm90")):
     """evenkv.configs' rows for ``head_dim`` and ``page`` (verify rows of ``rows`` tile rows
-    when given), sm80's and sm90's, the many-segments rows included: each is passed
+    when given) of each of ``archs``, the many-segments rows included: each is passed
     explicitly, so every row runs at every point, not only where DecodeAttention would pick
     it. Over an FP8 cache (``kv_fp8``) the FP8 rows come first, then the bf16 rows they
     replace. One config per name."""
     configs = {}
-    for arch, fp8 in itertools.product(("sm80", "sm90"), (True, False) if kv_fp8 else (False,)):
+    for arch, fp8 in itertools.product(archs, (True, False) if kv_fp8 else (False,)):
         for cfg in (evenkv.decode_config(arch, head_dim, page, fp8, rows=rows),
                     many_segments_config(arch, head_dim, page, fp8, rows=rows)):
             if cfg is not None:
@@ -107,6 +107,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
+    ap.add_argument("--archs", default="sm80,sm90", help="whose table rows --configs tables times")
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -125,7 +126,7 @@ def main():
     q_len = args.q_len
     if args.configs == "tables":
         configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None,
-                                args.kv_dtype == "fp8")
+                                args.kv_dtype == "fp8", args.archs.split(","))
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}")
                    for bn, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4))]
