@@ -207,6 +207,17 @@ def check_kv_caches(k_cache, v_cache, *, page_size: int | None, dtypes: tuple, d
     return device
 
 
+def check_fp8_pairs(name: str, cache: torch.Tensor) -> None:
+    """An FP8 cache as slots ([num_slots, Hkv, D] e4m3), which decode reads two elements at a
+    time (as int16): even slot and head strides and an even data pointer, as every cache PyTorch
+    allocates has."""
+    odd = [s for s in cache.stride()[:2] if s % 2]
+    if odd or cache.data_ptr() % 2:
+        raise ValueError(f"{name}: an FP8 cache is read two elements at a time: expected even slot and head "
+                         f"strides and a 2-byte aligned start, got strides {cache.stride()} and address "
+                         f"{cache.data_ptr():#x}")
+
+
 def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
     """A checked cache (``check_cache``) as [num_slots, Hkv, D], without a copy: the decode and
     KV-write kernels address slots, so a [num_pages, page_size, Hkv, D] cache must view as

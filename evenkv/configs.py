@@ -174,8 +174,9 @@ _DECODE_FP8 = {
     "sm90": {
         "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=3,
                              max_registers=168, programmatic_launch=True),
-        # The page-1 row's tile and schedule at every page size: the paged row's 128 registers
-        # spill in an FP8 tile loop (docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
+        # The page-1 row's tile and schedule at every page size (the paged row's 128 registers
+        # spill more). Its FP8 tile loop keeps 4 spill stores at 168 registers, yet it ran 1.10x
+        # faster than the same tile at 192 registers and 2 CTAs per SM, which has none.
         "d256": replace(_DECODE["sm90"]["d256"], name="sm90-d256-fp8"),
     },
 }
@@ -230,16 +231,12 @@ _DECODE_VERIFY = {
 }
 
 
-# An FP8 cache's tiles are widened in registers: where a verify row's register cap puts spills
-# into that tile loop (head dim 128: 32 tile rows at 128 registers, 16 rows with tree masks at
-# 168), an FP8 cache runs a row of the same tile with more registers and fewer CTAs per SM
-# (tests/test_decode.py; docs/tuning.md "Decode, FP8 caches"; compiled, not timed).
+# Over an FP8 cache (tiles read as int16 pairs) head dim 256's 32-row row spills in the tile
+# loop at 168 registers; it runs one CTA per SM, which 255 registers still fit (compiled, not
+# timed; docs/tuning.md "Decode, FP8 caches").
 _DECODE_VERIFY_FP8 = {
     "sm90": {
-        "d128": {16: replace(_DECODE_VERIFY["sm90"]["d128"][16], name="sm90-d<=128-r16-fp8", max_ctas_per_sm=2,
-                             max_registers=224),
-                 32: replace(_DECODE_VERIFY["sm90"]["d128"][32], name="sm90-d<=128-r32-fp8", num_stages=3,
-                             max_ctas_per_sm=3, max_registers=168)},
+        "d256": {32: replace(_DECODE_VERIFY["sm90"]["d256"][32], name="sm90-d256-r32-fp8", max_registers=255)},
     },
 }
 
@@ -298,18 +295,17 @@ _DECODE_VERIFY_MANY_SEGMENTS = {
     },
 }
 
-# Over an FP8 cache some one-loop rows spill in the tile loop: 32 rows at 128 registers (head
-# dim 64 and 128; head dim 128 also at 168) and head dim 256's 64 rows at 224. The same tiles
-# with more registers keep local memory out of it: head dim 64 at 168 and 3 CTAs per SM, head
-# dim 128 at 224 and 2, head dim 256 at 255 and still 1 (compiled, not timed).
+# Over an FP8 cache (tiles read as int16 pairs, docs/tuning.md "Decode, FP8 caches") the main
+# verify rows of 32 tile rows beat the one-loop rows at every batch timed, up to 2048 requests:
+# head dims 64 and 128 keep their main row (None: no switch). Head dim 256's one-loop rows spill
+# in an FP8 tile loop at 168 (32 rows) and 224 registers (64 rows); at 255 they do not, still one
+# CTA per SM (compiled, not timed).
 _DECODE_VERIFY_MANY_SEGMENTS_FP8 = {
     "sm90": {
-        "d64": {32: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d64"][32], name="sm90-d64-r32-fp8-one-loop",
-                            max_ctas_per_sm=3, max_registers=168)},
-        "d128": {32: replace(_one_loop(_DECODE_VERIFY_FP8["sm90"]["d128"][32]), max_ctas_per_sm=2,
-                             max_registers=224)},
-        "d256": {64: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d256"][64], name="sm90-d256-r64-fp8-one-loop",
-                             max_registers=255)},
+        "d64": {32: None},
+        "d128": {32: None},
+        "d256": {rows: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d256"][rows],
+                               name=f"sm90-d256-r{rows}-fp8-one-loop", max_registers=255) for rows in (32, 64)},
     },
 }
 
@@ -325,8 +321,10 @@ def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool 
     key = head_dim_class(head_dim)
     if rows is not None:
         decode_config(arch, head_dim, page_size, kv_fp8, rows)  # checks rows
-        fp8_row = _DECODE_VERIFY_MANY_SEGMENTS_FP8.get(arch, {}).get(key, {}).get(rows) if kv_fp8 else None
-        return fp8_row or _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
+        fp8_rows = _DECODE_VERIFY_MANY_SEGMENTS_FP8.get(arch, {}).get(key, {}) if kv_fp8 else {}
+        if rows in fp8_rows:
+            return fp8_rows[rows]
+        return _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
     min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(key, (None, None))
     return config if config is not None and page_size >= min_page and not kv_fp8 else None
 

@@ -24,8 +24,8 @@ from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
 from evenkv.kernels.launching import compiled_kernel, parallel_compiles
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
-                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_head_dim,
-                     check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
+                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_fp8_pairs,
+                     check_head_dim, check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
                      normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
@@ -518,6 +518,9 @@ class DecodeAttention:
         check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
                         num_kv_heads=hkv, head_dim=d)
         k_cache, v_cache = as_slots("k_cache", k_cache), as_slots("v_cache", v_cache)
+        if self._fp8:
+            check_fp8_pairs("k_cache", k_cache)
+            check_fp8_pairs("v_cache", v_cache)
         terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if b == 0 or q.shape[0] == 0:

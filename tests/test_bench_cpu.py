@@ -1073,6 +1073,7 @@ def test_tune_decode_tables_time_fp8_rows_beside_the_bf16_rows():
     assert evenkv.decode_config("sm90", 256, 16, True).name in fp8
     assert evenkv.decode_config("sm90", 256, 16).name in fp8 and set(bf16) < set(fp8)
     assert len(fp8) == len(set(fp8))
-    verify = [c.name for c in tune_decode.table_configs(128, 16, 32, True)]
-    assert {evenkv.decode_config("sm90", 128, 16, True, rows=32).name, evenkv.decode_config("sm90", 128, 16, rows=32).name,
-            many_segments_config("sm90", 128, 16, True, rows=32).name} <= set(verify)
+    verify = [c.name for c in tune_decode.table_configs(256, 16, 64, True, archs=("sm90",))]
+    assert {evenkv.decode_config("sm90", 256, 16, True, rows=64).name, many_segments_config("sm90", 256, 16, rows=64).name,
+            many_segments_config("sm90", 256, 16, True, rows=64).name} <= set(verify)
+    assert not any(name.startswith("sm80") for name in verify)

@@ -158,6 +158,22 @@ def test_cache_dtype_must_match_kv_dtype(device):
         attn.run(plan, q, k8, vc)
 
 
+def test_fp8_cache_read_in_pairs_needs_even_strides(device):
+    """Decode reads an FP8 cache two elements at a time: a cache view with an odd head stride or
+    an odd start is refused naming the cache, before any kernel runs."""
+    q, kc, vc, seq_lens, pt = make_paged_batch([20], HQ, HKV, D, PAGE, torch.bfloat16, device)
+    k8, v8 = fp8_caches(kc, vc, K_SCALE, V_SCALE)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.bfloat16, device, 1, pt.shape[1], kv_dtype=FP8)
+    plan = attn.plan(seq_lens, pt)
+    wide = torch.zeros(k8.shape[0], HKV, D + 1, dtype=FP8, device=device)
+    wide[..., :D] = k8
+    with pytest.raises(ValueError, match=rf"k_cache: .*two elements at a time.*strides \(\d+, {D + 1}, 1\)"):
+        attn.run(plan, q, wide[..., :D], v8, k_scale=K_SCALE, v_scale=V_SCALE)
+    shifted = torch.zeros(v8.numel() + 1, dtype=FP8, device=device)[1:].view(v8.shape)
+    with pytest.raises(ValueError, match="v_cache: .*2-byte aligned"):
+        attn.run(plan, q, k8, shifted, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
 def test_fp8_needs_sm89(monkeypatch):
     """An FP8 cache is refused on GPUs older than SM89 (Triton cannot widen e4m3 there), with
     the capability in the message; a bf16 cache is not."""

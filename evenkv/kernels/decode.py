@@ -45,8 +45,9 @@ What a layer adds to plain attention (``decode_launch.LayerTerms``):
 * soft-cap (SOFTCAP): base-2 scores ``numerics.soft_cap(s, qk_scale, cap_scale)``;
 * sinks (HAS_SINKS): a per-query-head logit in the softmax denominator, added where a
   row's result is final (``_add_sinks``: a whole segment's store, or its merge);
-* FP8 cache (KV_FP8): e4m3 tiles widened to fp16 in registers, q prescaled into fp16
-  (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored.
+* FP8 cache (KV_FP8): e4m3 tiles read as int16 pairs and widened to fp16 in registers, the
+  dots run over the head dim's even and odd elements apart (``_attend_tile``), q prescaled
+  into fp16 (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored.
 
 Token and slot offsets are int64 because ``slot * stride`` passes 2**31 for caches beyond
 2**31 elements. A NaN in q or in a key that a row sees makes that row's output NaN, as in
@@ -69,7 +70,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .error_bits import QUERY_OUT_OF_RANGE
-from .numerics import FP8_Q_PRESCALE, LOG2E, dot, dot_acc, narrow, settled, soft_cap
+from .numerics import FP8_Q_PRESCALE, LOG2E, dot, dot_acc, e4m3_pairs_to_fp16, narrow, settled, soft_cap
 
 from .plan import ACTIVE_REQ_FIELDS, decode_query_rows, row_window, window_tiles
 
@@ -187,9 +188,11 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
     tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
     page-table tail and the unused part of the last page are never read; MULTI_Q: each row
-    sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head; an FP8
-    cache is widened to q's dtype (fp16, see ``_load_q``) in registers, its scales folded
-    into qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
+    sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head. An FP8
+    cache is read as int16 pairs and widened to q's dtype (fp16, see ``_load_q``) in registers
+    (``e4m3_pairs_to_fp16``): each dot runs as two, over the even and the odd elements of the
+    head dim, so the staged tiles reach the dots through ldmatrix; its scales are folded into
+    qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
     ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id lies outside [0,
     num_pages) is not read: its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel``
     flags it).
@@ -205,9 +208,19 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     # One unsigned compare covers negative ids too.
     key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-    kv_mask = key_ok[:, None] & mask_d[None, :]
-    k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-    s = dot(q, tl.trans(k.to(q.dtype)))
+    KV_FP8: tl.constexpr = k_head.dtype.element_ty == tl.float8e4nv
+    if KV_FP8:
+        offs_pair = tl.arange(0, BLOCK_D // 2)
+        kv_mask = key_ok[:, None] & (offs_pair[None, :] < HEAD_DIM // 2)
+        k_pairs = tl.load((k_head + slot[:, None] * stride_k_slot).to(tl.pointer_type(tl.int16)) +
+                          offs_pair[None, :], mask=kv_mask, other=0)
+        k_even, k_odd = e4m3_pairs_to_fp16(k_pairs)
+        q_even, q_odd = tl.split(tl.reshape(q, [ROWS, BLOCK_D // 2, 2]))
+        s = dot_acc(q_odd, tl.trans(k_odd), dot(q_even, tl.trans(k_even)))
+    else:
+        kv_mask = key_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k.to(q.dtype)))
     if SOFTCAP:
         s = soft_cap(s, qk_scale, cap_scale)
     else:
@@ -231,8 +244,18 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    if KV_FP8:
+        v_pairs = tl.load((v_head + slot[:, None] * stride_v_slot).to(tl.pointer_type(tl.int16)) +
+                          offs_pair[None, :], mask=kv_mask, other=0)
+        v_even, v_odd = e4m3_pairs_to_fp16(v_pairs)
+        # acc's even and odd columns, each its own dot's accumulator; the split and the join
+        # only relabel registers.
+        acc_even, acc_odd = tl.split(tl.reshape(acc * alpha[:, None], [ROWS, BLOCK_D // 2, 2]))
+        p = narrow(p, q.dtype)
+        acc = tl.reshape(tl.join(dot_acc(p, v_even, acc_even), dot_acc(p, v_odd, acc_odd)), [ROWS, BLOCK_D])
+    else:
+        v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
     if ROWS >= 64:
         # Tiles of 64+ rows take wgmma dots on sm90. Triton 3.6 would leave this one in flight
         # into the next tile while the segment-end store and reset read and rewrite acc, and

@@ -89,3 +89,20 @@ def to_fp8(x, dtype: tl.constexpr):
         sign = ((bits >> 24) & 0x80).to(tl.uint8)
         return (magnitude.to(dtype).to(tl.uint8, bitcast=True) | sign).to(dtype, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def e4m3_pairs_to_fp16(x):
+    """x (int16, any shape): two e4m3 values per element, as an FP8 cache stores element 2j
+    (low byte) and 2j + 1 (high byte) of a row -> (low, high) fp16 tensors of x's shape, exact.
+
+    Reading an FP8 tile as int16 pairs lets Triton stage and load it as a 16-bit tile (ldmatrix)
+    in the layout of a 16-bit dot operand; a tile of bytes reaches that layout through one
+    shared-memory load per byte. The pair splits a row's elements into its even and odd ones,
+    which the dots take as two halves. One ``cvt`` widens both bytes."""
+    if INTERPRETER:
+        low = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        high = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return low, high
+    return tl.inline_asm_elementwise("{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }",
+                                     "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)

@@ -74,6 +74,7 @@ def fp8_copy(cache, scale):
     ("gpt-oss-window", (64, 8, 64), dict(sliding_window=128), True),
     ("gpt-oss-full", (64, 8, 64), dict(), True),
     ("qwen3-fp8", (HQ, HKV, D), dict(), True),
+    ("qwen3-next-fp8", (16, 2, 256), dict(), True),
     ("gemma-like", (16, 8, 256), dict(sliding_window=4096, logit_cap=50.0), False),
 ])
 @pytest.mark.parametrize("policy", evenkv.POLICIES)
