@@ -25,8 +25,8 @@ from evenkv.kernels.launching import compiled_kernel, parallel_compiles
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
                      check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_fp8_pairs,
-                     check_head_dim, check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
-                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+                     check_head_dim, check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks,
+                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
                      resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
                       many_segments_config, max_tile_rows, resolve_arch, same_tile, sm_count)
