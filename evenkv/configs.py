@@ -168,16 +168,26 @@ _DECODE_MANY_SEGMENTS = {
 
 # An FP8 cache is widened to fp16 in registers after its (half-size) tiles arrive: the
 # conversions need registers the bf16 rows' caps do not leave (the many-segments rows spill
-# in the tile loop), and half-size tiles want longer ones (docs/tuning.md "Decode, FP8
-# caches"). Rows not listed here use the main table's.
+# in the tile loop), and half-size tiles want longer ones. Head dims 128 and 256 walk one loop
+# per segment, q loaded and widened once per run: the loop across segments reloads and widens
+# q and carries the walk every tile, about half of its FP8 tile loop's instructions
+# (docs/tuning.md "Decode, FP8 caches"). Rows not listed here use the main table's.
 _DECODE_FP8 = {
     "sm90": {
-        "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=3,
-                             max_registers=168, programmatic_launch=True),
-        # The page-1 row's tile and schedule at every page size (the paged row's 128 registers
-        # spill more). Its FP8 tile loop keeps 4 spill stores at 168 registers, yet it ran 1.10x
-        # faster than the same tile at 192 registers and 2 CTAs per SM, which has none.
-        "d256": replace(_DECODE["sm90"]["d256"], name="sm90-d256-fp8"),
+        "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
+                             max_registers=168, programmatic_launch=True, segment_loops=True),
+        "d256": DecodeConfig("sm90-d256-fp8", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                             max_registers=128, programmatic_launch=True, segment_loops=True),
+    },
+}
+
+# Over an FP8 cache, batches of many short segments drain a segment-loops row's pipeline at
+# every segment: head dim 128 takes the same tile in one loop across segments there (docs/tuning.md
+# "Decode, FP8 caches"), with the smallest page size it serves.
+_DECODE_MANY_SEGMENTS_FP8 = {
+    "sm90": {
+        "d128": (1, DecodeConfig("sm90-d<=128-fp8-many", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=3,
+                                 max_registers=168, programmatic_launch=True)),
     },
 }
 
@@ -314,7 +324,8 @@ def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool 
                          rows: int | None = None) -> DecodeConfig | None:
     """The balanced policy's config for batches of many short segments, or None where the
     main row serves every batch. Plain decode rows (``rows`` None): a row of more, smaller CTAs
-    (none on sm80, for head dim 256, head dim 128 at page size < 16, or an FP8 cache). Verify
+    (none on sm80, for head dim 256, or head dim 128 at page size < 16); over an FP8 cache, head
+    dim 128's tile in one loop across segments (none for head dims 64 and 256). Verify
     rows of ``rows`` tile rows: where their row walks one loop per segment, a row that walks
     one loop across segments (a pipeline drained at every short segment costs more than the q
     reloads it saves), else None."""
@@ -325,8 +336,9 @@ def many_segments_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool 
         if rows in fp8_rows:
             return fp8_rows[rows]
         return _DECODE_VERIFY_MANY_SEGMENTS.get(arch, {}).get(key, {}).get(rows)
-    min_page, config = _DECODE_MANY_SEGMENTS.get(check_arch(arch), {}).get(key, (None, None))
-    return config if config is not None and page_size >= min_page and not kv_fp8 else None
+    table = _DECODE_MANY_SEGMENTS_FP8 if kv_fp8 else _DECODE_MANY_SEGMENTS
+    min_page, config = table.get(check_arch(arch), {}).get(key, (None, None))
+    return config if config is not None and page_size >= min_page else None
 
 
 # ----------------------------------------------------------------------------- extend

@@ -277,7 +277,7 @@ def test_arch_table_compiles_for_its_target(arch, cap, head_dim, num_kv_heads, g
 
 # Rows that spill in an FP8 tile loop and still ran faster over an FP8 cache than the same
 # tiles at more registers and fewer CTAs per SM (docs/tuning.md "Decode, FP8 caches").
-FP8_SPILLING_ROWS = {"sm90-d256-fp8", "sm90-d<=128-r16", "sm90-d<=128-r32"}
+FP8_SPILLING_ROWS = {"sm90-d<=128-r16", "sm90-d<=128-r32"}
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
@@ -328,13 +328,18 @@ def test_many_segments_row_compiles(head_dim, num_kv_heads, group, ctas, min_pag
                          ids=["gpt-oss", "qwen3", "qwen3-next"])
 def test_layer_terms_compile_within_the_rows(head_dim, num_kv_heads, group, kv_fp8):
     """With a soft-cap and bf16 sinks, over a bf16 or an FP8 cache, the sm90 rows a layer
-    can run at page size 16 (an FP8 cache has its own rows and no many-segments row) still fit
-    their CTAs per SM and keep local memory out of the tile loop, except FP8_SPILLING_ROWS over an
-    FP8 cache (gpt-oss's, Qwen3-30B-A3B's and Qwen3-Next's attention shapes)."""
-    from evenkv.configs import decode_config, many_segments_config
+    can run at page size 16 (an FP8 cache has its own rows; its only many-segments row is head
+    dim 128's, the same tile in one loop across segments) still fit their CTAs per SM and keep
+    local memory out of the tile loop, except FP8_SPILLING_ROWS over an FP8 cache (gpt-oss's,
+    Qwen3-30B-A3B's and Qwen3-Next's attention shapes); their deterministic builds too where
+    deterministic mode runs the many-segments row (the same tile)."""
+    from evenkv.configs import decode_config, many_segments_config, same_tile
+    main = decode_config("sm90", head_dim, 16, kv_fp8)
     many = many_segments_config("sm90", head_dim, 16, kv_fp8)
-    assert many is None if kv_fp8 or head_dim == 256 else many is not None
-    for cfg in {decode_config("sm90", head_dim, 16, kv_fp8), many} - {None}:
+    assert (many is None) == (head_dim == 256 or (kv_fp8 and head_dim == 64))
+    if kv_fp8 and many is not None:
+        assert main.segment_loops and not many.segment_loops and same_tile(main, many)
+    for cfg in {main, many} - {None}:
         _check_row_compiles(cfg, 90, head_dim, num_kv_heads, group, layer_terms=True, kv_fp8=kv_fp8,
                             spills=kv_fp8 and cfg.name in FP8_SPILLING_ROWS)
 
@@ -455,6 +460,34 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
     assert alone.config == main
     assert torch.equal(in_batch, det.run(alone, q[-1:], kc, vc)[0])
 
+
+
+def test_fp8_many_segments_row_by_batch(device):
+    """Over an FP8 cache head_dim 128 walks one loop per segment, and a batch of >=
+    MANY_SEGMENTS_PER_CTA segments per CTA of that grid takes the FP8 many-segments row (the same
+    tile in one loop across segments), deterministic mode too; each plan's output matches the
+    reference over the dequantized cache."""
+    from evenkv.configs import MANY_SEGMENTS_PER_CTA, decode_config, many_segments_config
+    from helpers import fp8_caches
+    hq, hkv, d, page, fp8 = 8, 2, 128, 16, torch.float8_e4m3fn
+    main, many = decode_config("sm90", d, page, True), many_segments_config("sm90", d, page, True)
+    assert main.segment_loops and not many.segment_loops
+    max_pages = -(-100 // page) + 1
+    main_ctas = evenkv.DecodeAttention(hq, hkv, d, page, torch.bfloat16, device, 1, max_pages, arch="sm90",
+                                       kv_dtype=fp8).num_ctas
+    threshold = -(-MANY_SEGMENTS_PER_CTA * main_ctas // hkv)
+    gen = torch.Generator().manual_seed(5)
+    for deterministic in (False, True):
+        attn = evenkv.DecodeAttention(hq, hkv, d, page, torch.bfloat16, device, threshold, max_pages, arch="sm90",
+                                      kv_dtype=fp8, deterministic=deterministic)
+        for batch in (threshold - 1, threshold):
+            lens = torch.randint(1, 100, (batch,), generator=gen).tolist()
+            q, kc, vc, seq_lens, pt = make_paged_batch(lens, hq, hkv, d, page, torch.bfloat16, device, seed=batch)
+            k8, v8 = fp8_caches(kc, vc, 0.5, 0.25)
+            plan = attn.plan(seq_lens, pt)
+            assert plan.config == (many if batch >= threshold else main)
+            out = attn.run(plan, q, k8, v8, k_scale=0.5, v_scale=0.25)
+            assert_close_to_reference(out, q, k8, v8, seq_lens, pt, page, k_scale=0.5, v_scale=0.25)
 
 PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8, MULTI_Q=False,
