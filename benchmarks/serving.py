@@ -117,7 +117,8 @@ DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "fa3"}
 BASELINES = {"vllm": ["FLASH_ATTN"], "sglang": ["fa3", "triton"]}  # run beside evenkv by default
 WORKLOADS = ("chat", "chat-rate", "long-mix", "long-context", "prefill-heavy", "many-short")
 MODES = ("default", "batch-invariant", "spec-ngram")
-COLUMNS = ["engine", "engine_version", "mode", "tp", "shape", "backend", "workload", "graphs", "torch_compile", "spec",
+COLUMNS = ["engine", "engine_version", "mode", "tp", "kv_cache_dtype", "shape", "backend", "workload", "graphs",
+           "torch_compile", "spec",
            "repeat", "run", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
            "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
            "decode_steps", "tokens_per_step", "max_in_flight", "mem_fraction", "startup_s", "engine_init_s", "import_s",
@@ -286,10 +287,11 @@ def capture_sizes(max_batch: int) -> list[int]:
 @dataclass(frozen=True)
 class EngineSetup:
     """What a child's engine runs with besides the backend: the mode, tensor parallelism,
-    CUDA graphs, vLLM's torch.compile mode and the n-gram speculation knobs."""
+    the KV cache's dtype, CUDA graphs, vLLM's torch.compile mode and the n-gram speculation knobs."""
 
     mode: str = "default"
     tp: int = 1
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3, per-tensor scales)
     graphs: bool = True
     torch_compile: int = 0  # vLLM compilation mode: 0 (off) or 3 (VLLM_COMPILE)
     spec_tokens: int = 3  # spec-ngram: draft tokens per step (vLLM K; SGLang verifies K + 1 tokens)
@@ -330,6 +332,8 @@ def vllm_llm_kwargs(model: Path, backend: str, max_model_len: int, max_num_seqs:
               tensor_parallel_size=setup.tp, compilation_config=compilation,
               # The device kit's vLLM has no compiled _C: norms run as PyTorch ops for every backend alike.
               kernel_config={"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}})
+    if setup.kv_cache_dtype == "fp8":
+        kw["kv_cache_dtype"] = "fp8"
     if setup.mode == "spec-ngram":
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": setup.spec_tokens,
                                     "prompt_lookup_min": setup.ngram_min, "prompt_lookup_max": setup.ngram_max}
@@ -404,6 +408,8 @@ def sglang_server_cmd(model: Path, backend: str, port: int, max_model_len: int, 
            "--chunked-prefill-size", str(CHUNK_TOKENS), "--disable-radix-cache", "--random-seed", "0",
            "--tp-size", str(setup.tp), "--log-level", "info"]
     cmd += ["--cuda-graph-max-bs-decode", str(max_running)] if setup.graphs else ["--disable-cuda-graph"]
+    if setup.kv_cache_dtype == "fp8":
+        cmd += ["--kv-cache-dtype", "fp8_e4m3"]
     if setup.mode == "batch-invariant":
         cmd += ["--enable-deterministic-inference"]
     elif setup.mode == "spec-ngram":
@@ -561,7 +567,8 @@ class ServerLog:
 
 
 def child_setup(a) -> EngineSetup:
-    return EngineSetup(mode=a.mode, tp=a.tp, graphs=a.graphs, torch_compile=3 if a.vllm_compile else 0,
+    return EngineSetup(mode=a.mode, tp=a.tp, kv_cache_dtype=a.kv_cache_dtype, graphs=a.graphs,
+                       torch_compile=3 if a.vllm_compile else 0,
                        spec_tokens=a.spec_tokens, ngram_min=a.ngram_min, ngram_max=a.ngram_max,
                        ngram_breadth=a.ngram_breadth)
 
@@ -595,7 +602,8 @@ def run_child(a, rows: list[dict]):
     backend = ENGINE_BACKENDS[a.engine].get(a.backend, a.backend)
     setup = child_setup(a)
     os.environ.update(mode_env(a.engine, a.mode))
-    base = {"engine": a.engine, "mode": a.mode, "tp": a.tp, "shape": a.shape, "backend": a.backend,
+    base = {"engine": a.engine, "mode": a.mode, "tp": a.tp, "kv_cache_dtype": a.kv_cache_dtype, "shape": a.shape,
+            "backend": a.backend,
             "graphs": int(a.graphs), "torch_compile": setup.torch_compile if a.engine == "vllm" else "",
             "spec": setup.spec_label(a.engine), "repeat": a.repeat, "start_order": a.start_order}
     # The parent gives each child its TRITON_CACHE_DIR (fresh, or shared across children).
@@ -743,10 +751,11 @@ def _num(v):
 
 def row_group(r: dict) -> tuple:
     """What a backend's row is compared on: the same engine, mode, tp, shape, workload, repeat,
-    vLLM torch.compile mode and run (rows of older CSVs, without these columns, count as default
-    mode, tp 1, repeat 1, compile mode 0, and one run)."""
+    vLLM torch.compile mode, run and KV cache dtype (rows of older CSVs, without these columns,
+    count as default mode, tp 1, repeat 1, compile mode 0, one run and an "auto" cache)."""
     return (r["engine"], r.get("mode") or "default", str(r.get("tp") or 1), r["shape"], r["workload"],
-            str(r.get("repeat") or 1), str(r.get("torch_compile") or 0), r.get("run") or "")
+            str(r.get("repeat") or 1), str(r.get("torch_compile") or 0), r.get("run") or "",
+            r.get("kv_cache_dtype") or "auto")
 
 
 def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
@@ -770,7 +779,8 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
             a, b = _num(a), _num(b)
             return round(a - b, 1) if a is not None and b is not None else None
 
-        out.append({"run": key[7] or "–", "mode": key[1], "tp": key[2], "torch_compile": key[6],
+        out.append({"run": key[7] or "–", "mode": key[1], "tp": key[2], "kv_cache_dtype": key[8],
+                    "torch_compile": key[6],
                     "shape": r["shape"], "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
                     "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
                     "tpot_p50_speedup": over(d["tpot_p50_ms"], r["tpot_p50_ms"]),
@@ -798,7 +808,8 @@ def startup_rows(rows: list[dict]) -> list[dict]:
 
 def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
-    cols = ["engine", "mode", "tp", "torch_compile", "shape", "backend", "workload", "start_order", "output_tok_s",
+    cols = ["engine", "mode", "tp", "kv_cache_dtype", "torch_compile", "shape", "backend", "workload", "start_order",
+            "output_tok_s",
             "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
             "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup",
             "triton_compiles_run", "status"]
@@ -810,11 +821,13 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
             continue
         lines += ["", f"## {engine}: against {DEFAULT_BACKEND[engine]} in the same mode (higher is better; "
                   "start-up: seconds more than it)", "",
-                  "| run | mode | tp | torch.compile | shape | workload | repeat | backend | output tok/s ratio | "
-                  "TPOT p50 speed-up | TTFT p50 speed-up | decode step speed-up | start-up +s | engine init +s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        keys = ("run", "mode", "tp", "torch_compile", "shape", "workload", "repeat", "backend", "tok_s_ratio",
-                "tpot_p50_speedup", "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s", "engine_init_delta_s")
+                  "| run | mode | tp | KV cache | torch.compile | shape | workload | repeat | backend | "
+                  "output tok/s ratio | TPOT p50 speed-up | TTFT p50 speed-up | decode step speed-up | start-up +s | "
+                  "engine init +s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        keys = ("run", "mode", "tp", "kv_cache_dtype", "torch_compile", "shape", "workload", "repeat", "backend",
+                "tok_s_ratio", "tpot_p50_speedup", "ttft_p50_speedup", "decode_step_speedup", "startup_delta_s",
+                "engine_init_delta_s")
         lines += ["| " + " | ".join("–" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rs]
     starts = startup_rows(rows)
     if starts:
@@ -918,6 +931,7 @@ def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.serving", "child", "--engine", a.engine, "--shape", c.shape,
            "--backend", c.backend, "--mode", c.mode, "--tp", str(a.tp), "--repeat", str(c.repeat),
            "--start-order", str(c.start_order), "--workloads", a.workloads, "--size", a.size, "--seed", str(a.seed),
+           "--kv-cache-dtype", a.kv_cache_dtype,
            "--rate", str(a.rate), "--model-dir", a.model_dir, "--port", str(a.port),
            "--json", str(rows_json), "--compiled-startup-file", str(startup_file),
            "--startup-timeout", str(a.startup_timeout), "--spec-tokens", str(a.spec_tokens),
@@ -1014,6 +1028,9 @@ def parse_args(argv=None):
         p.add_argument("--mem", type=float, help="fraction of GPU memory for weights and KV cache (default 0.9; "
                        "0.85 for SGLang spec-ngram, whose fa3 baseline needs the room to capture its graphs)")
         p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA graphs")
+        p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                       help="the KV cache: auto (the model dtype) or fp8 (e4m3; vLLM --kv-cache-dtype fp8, "
+                            "SGLang --kv-cache-dtype fp8_e4m3)")
         p.add_argument("--tp", type=int, default=1,
                        help="tensor parallel size (vLLM tensor_parallel_size, SGLang --tp-size)")
         p.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=True,

@@ -180,8 +180,8 @@ def _rows():
 
 def test_ratios_summary_and_plots(tmp_path):
     rs = serving.ratios(_rows(), "vllm", "FLASH_ATTN")
-    common = {"run": "–", "tp": "1", "torch_compile": "0", "shape": "qwen3-8b", "workload": "chat", "repeat": "1",
-              "backend": "evenkv"}
+    common = {"run": "–", "tp": "1", "kv_cache_dtype": "auto", "torch_compile": "0", "shape": "qwen3-8b",
+              "workload": "chat", "repeat": "1", "backend": "evenkv"}
     assert rs == [{"mode": "default", **common, "tok_s_ratio": 1.1, "tpot_p50_speedup": 1.25, "ttft_p50_speedup": None,
                    "decode_step_speedup": 1.267, "startup_delta_s": 3.5, "engine_init_delta_s": 1.0},
                   {"mode": "batch-invariant", **common, "tok_s_ratio": 1.5, "tpot_p50_speedup": 2.0,
@@ -189,8 +189,8 @@ def test_ratios_summary_and_plots(tmp_path):
                    "engine_init_delta_s": None}]
     md = serving.summary_markdown(_rows(), ["a note"])
     assert "- a note" in md
-    assert "| – | default | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
-    assert "| – | batch-invariant | 1 | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
+    assert "| – | default | 1 | auto | 0 | qwen3-8b | chat | 1 | evenkv | 1.1 | 1.25 | – | 1.267 | 3.5 | 1.0 |" in md
+    assert "| – | batch-invariant | 1 | auto | 0 | qwen3-8b | chat | 1 | evenkv | 1.5 | 2.0 | 0.8 | 1.5 | – | – |" in md
     # start-up: one line per engine start, the chat and many-short rows of one evenkv start folded
     assert "| vllm | default | 1 | – | qwen3-8b | FLASH_ATTN | 1 | – | – | 50 | 30 | – | – |" in md
     assert "| vllm | default | 1 | – | qwen3-8b | evenkv | 1 | – | – | 53.5 | 31 | – | – |" in md
@@ -211,8 +211,12 @@ def test_ratios_pair_repeats_and_compile_modes_and_read_old_rows_as_default_mode
             {**old, "backend": "evenkv", "mode": "default", "tp": "1", "repeat": "2", "output_tok_s": "220"},
             {**old, "backend": "triton", "tp": "2", "output_tok_s": "90"}]  # no fa3 row at tp 2: no ratio
     rows.append({**old, "backend": "evenkv", "torch_compile": "3", "output_tok_s": "130"})  # no fa3 row compiled
+    rows.append({**old, "backend": "evenkv", "kv_cache_dtype": "fp8", "output_tok_s": "140"})  # no fa3 row over FP8
     rs = serving.ratios(rows, "sglang", "fa3")
     assert [(r["backend"], r["repeat"], r["tok_s_ratio"]) for r in rs] == [("evenkv", "1", 1.2), ("evenkv", "2", 1.1)]
+    rows.append({**old, "backend": "fa3", "kv_cache_dtype": "fp8", "output_tok_s": "100"})
+    fp8 = [r for r in serving.ratios(rows, "sglang", "fa3") if r["kv_cache_dtype"] == "fp8"]
+    assert [(r["backend"], r["tok_s_ratio"]) for r in fp8] == [("evenkv", 1.4)]
 
 
 def test_rows_of_two_runs_merged_into_one_csv_pair_within_their_run():
@@ -249,7 +253,8 @@ def test_csv_written_by_an_older_version_is_rewritten_with_the_new_columns(tmp_p
 
 def test_the_csv_header_has_every_row_column():
     for col in ("mode", "tp", "start_order", "repeat", "run", "triton_cache", "engine_init_s", "import_s",
-                "compiled_during_run", "compiled_during_warmup", "tokens_per_step", "torch_compile", "spec"):
+                "compiled_during_run", "compiled_during_warmup", "tokens_per_step", "torch_compile", "spec",
+                "kv_cache_dtype"):
         assert col in serving.COLUMNS
     assert len(set(serving.COLUMNS)) == len(serving.COLUMNS)
 
@@ -339,7 +344,9 @@ def test_compiles_are_attributed_by_kernel_name(tmp_path):
 def test_vllm_arguments_per_mode(tmp_path):
     default = serving.EngineSetup()
     kw = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, default)
-    assert kw["tensor_parallel_size"] == 1 and "speculative_config" not in kw
+    assert kw["tensor_parallel_size"] == 1 and "speculative_config" not in kw and "kv_cache_dtype" not in kw
+    fp8 = serving.vllm_llm_kwargs(tmp_path, "FLASH_ATTN", 9000, 48, 0.8, serving.EngineSetup(kv_cache_dtype="fp8"))
+    assert fp8["kv_cache_dtype"] == "fp8"
     assert kw["compilation_config"]["mode"] == 0 and kw["compilation_config"]["custom_ops"] == ["none"]
     assert kw["compilation_config"]["cudagraph_capture_sizes"][-1] == 48
     spec = serving.EngineSetup(mode="spec-ngram", tp=2, torch_compile=3, spec_tokens=3, ngram_min=2, ngram_max=4)
@@ -365,6 +372,9 @@ def test_server_command_has_the_operator_flags(tmp_path):
                         ("--max-running-requests", "256"), ("--cuda-graph-max-bs-decode", "256"), ("--tp-size", "1")):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-deterministic-inference" not in cmd and "--speculative-algorithm" not in cmd
+    assert "--kv-cache-dtype" not in cmd
+    fp8 = serving.sglang_server_cmd(tmp_path, "fa3", 1, 9000, 8, 0.8, serving.EngineSetup(kv_cache_dtype="fp8"))
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     eager = serving.sglang_server_cmd(tmp_path, "triton", 1, 9000, 8, 0.8, serving.EngineSetup(graphs=False))
     assert "--disable-cuda-graph" in eager
     det = serving.sglang_server_cmd(tmp_path, "fa3", 1, 9000, 8, 0.8, serving.EngineSetup(mode="batch-invariant"))
@@ -464,6 +474,10 @@ def test_memory_fraction_per_engine_and_mode(tmp_path):
     a = serving.parse_args(["sglang", "--out", str(tmp_path)])
     child = serving.Child(1, "spec-ngram", "qwen3-30b-a3b-attn", "evenkv", 1)
     assert "--mem" not in serving.child_cmd(a, child, tmp_path / "r.json", tmp_path / "s.txt")
+    fp8 = serving.parse_args(["vllm", "--out", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    cmd = serving.child_cmd(fp8, child, tmp_path / "r.json", tmp_path / "s.txt")
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert serving.child_setup(serving.parse_args(cmd[3:])).kv_cache_dtype == "fp8"
     a = serving.parse_args(["sglang", "--out", str(tmp_path), "--mem", "0.8"])
     cmd = serving.child_cmd(a, child, tmp_path / "r.json", tmp_path / "s.txt")
     assert cmd[cmd.index("--mem") + 1] == "0.8"
@@ -489,6 +503,8 @@ def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypat
         assert r["status"] == "error: RuntimeError: the server exited with 3 before it was ready"
         assert r["backend"] == "fa3" and r["mode"] == "spec-ngram" and r["mem_fraction"] == 0.85
         assert r["engine_version"] == "0-test" and r["triton_cache"] == "cold" and "startup_s" not in r
+        assert r["kv_cache_dtype"] == "auto"
+        assert set(r) <= set(serving.COLUMNS), set(r) - set(serving.COLUMNS)  # the CSV keeps every field
     assert serving.unfinished_status(SystemExit(143)) == "stopped"
     assert serving.unfinished_status(ValueError("x" * 300)).startswith("error: ValueError: xxx")
     assert len(serving.unfinished_status(ValueError("x" * 300))) < 200
