@@ -10,7 +10,9 @@ difference from the first candidate's output at that point. Usage:
                                      [--kv-dtype fp8] [--q-len 8] [--deterministic]
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
-byte per element. ``--q-len N`` times speculative-verify rows of N query tokens per request
+byte per element. ``--cache-layout head-major`` stores each KV head's slots together
+(``[Hkv, slots, D]``, viewed as the ``[slots, Hkv, D]`` the kernels take), so a page of one head is
+contiguous, as in an engine's head-major (HND) pages; the default is token-major. ``--q-len N`` times speculative-verify rows of N query tokens per request
 (the candidates are then verify rows); ``--deterministic`` the batch-invariant mode.
 """
 
@@ -55,6 +57,14 @@ def make_batch(total, batch, dist, page, num_pages, shape, q_len=1):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(batch * q_len, shape.num_q_heads, shape.head_dim, device="cuda", dtype=torch.bfloat16)
     return q, seq_lens, pt
+
+
+def random_cache(num_slots, hkv, d, layout, device="cuda"):
+    """A random bf16 cache as [num_slots, Hkv, D]: token-major (contiguous) or head-major
+    (a contiguous [Hkv, num_slots, D] viewed as slots: head stride num_slots * D, slot stride D)."""
+    if layout == "token-major":
+        return torch.randn(num_slots, hkv, d, device=device, dtype=torch.bfloat16)
+    return torch.randn(hkv, num_slots, d, device=device, dtype=torch.bfloat16).transpose(0, 1)
 
 
 def write_csv(path, rows):
@@ -103,6 +113,7 @@ def main():
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument("--cache-layout", choices=("token-major", "head-major"), default="token-major")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
@@ -117,8 +128,8 @@ def main():
     total, page, shape = args.tokens, args.page, SHAPES[args.shape]
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     pages_needed = total // page + 4096
-    k = torch.randn(pages_needed * page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k = random_cache(pages_needed * page, hkv, d, args.cache_layout)
+    v = random_cache(pages_needed * page, hkv, d, args.cache_layout)
     scales = {}
     if args.kv_dtype == "fp8":
         k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
@@ -156,6 +167,7 @@ def main():
                     continue
                 frac = kv_bytes / (us * 1e-6) / copy_bw
                 rows.append(dict(config=cfg.name, policy=policy, deterministic=args.deterministic, shape=shape.name,
+                                 cache_layout=args.cache_layout,
                                  ctas=attn.num_ctas, T=total, q_len=q_len, B=batch, dist=dist, page=page,
                                  us=round(us, 2), frac_copy=round(frac, 4),
                                  max_diff_vs_first=f"{diff:.2e}"))
