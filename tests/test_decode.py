@@ -461,7 +461,6 @@ def test_many_segments_config_by_batch(device, head_dim, page_size):
     assert torch.equal(in_batch, det.run(alone, q[-1:], kc, vc)[0])
 
 
-
 def test_fp8_many_segments_row_by_batch(device):
     """Over an FP8 cache head_dim 128 walks one loop per segment, and a batch of >=
     MANY_SEGMENTS_PER_CTA segments per CTA of that grid takes the FP8 many-segments row (the same
@@ -488,6 +487,7 @@ def test_fp8_many_segments_row_by_batch(device):
             assert plan.config == (many if batch >= threshold else main)
             out = attn.run(plan, q, k8, v8, k_scale=0.5, v_scale=0.25)
             assert_close_to_reference(out, q, k8, v8, seq_lens, pt, page, k_scale=0.5, v_scale=0.25)
+
 
 PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8, MULTI_Q=False,
