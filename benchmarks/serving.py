@@ -118,8 +118,7 @@ BASELINES = {"vllm": ["FLASH_ATTN"], "sglang": ["fa3", "triton"]}  # run beside 
 WORKLOADS = ("chat", "chat-rate", "long-mix", "long-context", "prefill-heavy", "many-short")
 MODES = ("default", "batch-invariant", "spec-ngram")
 COLUMNS = ["engine", "engine_version", "mode", "tp", "kv_cache_dtype", "shape", "backend", "workload", "graphs",
-           "torch_compile", "spec",
-           "repeat", "run", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
+           "torch_compile", "spec", "repeat", "run", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
            "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
            "decode_steps", "tokens_per_step", "max_in_flight", "mem_fraction", "startup_s", "engine_init_s", "import_s",
            "startup_phases", "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
@@ -603,8 +602,7 @@ def run_child(a, rows: list[dict]):
     setup = child_setup(a)
     os.environ.update(mode_env(a.engine, a.mode))
     base = {"engine": a.engine, "mode": a.mode, "tp": a.tp, "kv_cache_dtype": a.kv_cache_dtype, "shape": a.shape,
-            "backend": a.backend,
-            "graphs": int(a.graphs), "torch_compile": setup.torch_compile if a.engine == "vllm" else "",
+            "backend": a.backend, "graphs": int(a.graphs), "torch_compile": setup.torch_compile if a.engine == "vllm" else "",
             "spec": setup.spec_label(a.engine), "repeat": a.repeat, "start_order": a.start_order}
     # The parent gives each child its TRITON_CACHE_DIR (fresh, or shared across children).
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="evenkv-triton-cache-"))
@@ -780,8 +778,7 @@ def ratios(rows: list[dict], engine: str, default: str) -> list[dict]:
             return round(a - b, 1) if a is not None and b is not None else None
 
         out.append({"run": key[7] or "–", "mode": key[1], "tp": key[2], "kv_cache_dtype": key[8],
-                    "torch_compile": key[6],
-                    "shape": r["shape"], "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
+                    "torch_compile": key[6], "shape": r["shape"], "workload": r["workload"], "repeat": key[5], "backend": r["backend"],
                     "tok_s_ratio": over(r["output_tok_s"], d["output_tok_s"]),
                     "tpot_p50_speedup": over(d["tpot_p50_ms"], r["tpot_p50_ms"]),
                     "ttft_p50_speedup": over(d["ttft_p50_ms"], r["ttft_p50_ms"]),
@@ -809,8 +806,7 @@ def startup_rows(rows: list[dict]) -> list[dict]:
 def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
     cols = ["engine", "mode", "tp", "kv_cache_dtype", "torch_compile", "shape", "backend", "workload", "start_order",
-            "output_tok_s",
-            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
+            "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
             "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup",
             "triton_compiles_run", "status"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -11,9 +11,10 @@ difference from the first candidate's output at that point. Usage:
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
 byte per element. ``--cache-layout head-major`` stores each KV head's slots together
-(``[Hkv, slots, D]``, viewed as the ``[slots, Hkv, D]`` the kernels take), so a page of one head is
-contiguous, as in an engine's head-major (HND) pages; the default is token-major. ``--q-len N`` times speculative-verify rows of N query tokens per request
-(the candidates are then verify rows); ``--deterministic`` the batch-invariant mode.
+(``[Hkv, slots, D]``, viewed as the ``[slots, Hkv, D]`` the kernels take), so a page of one
+head is contiguous, as in an engine's head-major (HND) pages; the default is token-major.
+``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
+then verify rows); ``--deterministic`` the batch-invariant mode.
 """
 
 import argparse
