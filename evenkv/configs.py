@@ -204,10 +204,10 @@ _DECODE_VERIFY = {
     "sm90": {
         "d64": {16: DecodeConfig("sm90-d64-r16", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=3,
                                  max_registers=168, programmatic_launch=True),
-                32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                32: DecodeConfig("sm90-d64-r32", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=6,
+                                 max_registers=80, programmatic_launch=True, segment_loops=True),
+                64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=4, num_stages=2, max_ctas_per_sm=4,
                                  max_registers=128, programmatic_launch=True, segment_loops=True),
-                64: DecodeConfig("sm90-d64-r64", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=2,
-                                 max_registers=224, programmatic_launch=True, segment_loops=True),
                 128: DecodeConfig("sm90-d64-r128", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
                                   max_registers=224, programmatic_launch=True, segment_loops=True)},
         "d128": {16: DecodeConfig("sm90-d<=128-r16", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=3,
@@ -220,10 +220,10 @@ _DECODE_VERIFY = {
                                    max_registers=224, programmatic_launch=True, segment_loops=True)},
         "d256": {16: DecodeConfig("sm90-d256-r16", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=2,
                                   max_registers=224, programmatic_launch=True),
-                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                 32: DecodeConfig("sm90-d256-r32", block_n=32, num_warps=4, num_stages=2, max_ctas_per_sm=3,
                                   max_registers=168, programmatic_launch=True, segment_loops=True),
-                 64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
-                                  max_registers=224, programmatic_launch=True, segment_loops=True)},
+                 64: DecodeConfig("sm90-d256-r64", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=2,
+                                  max_registers=128, programmatic_launch=True, segment_loops=True)},
     },
     "sm80": {
         "d64": {16: DecodeConfig("sm80-d64-r16", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=2),
@@ -241,12 +241,19 @@ _DECODE_VERIFY = {
 }
 
 
-# Over an FP8 cache (tiles read as int16 pairs) head dim 256's 32-row row spills in the tile
-# loop at 168 registers; it runs one CTA per SM, which 255 registers still fit (compiled, not
-# timed; docs/tuning.md "Decode, FP8 caches").
+# Over an FP8 cache (tiles read as int16 pairs) the tile loop takes more registers: rows that
+# spill there at their bf16 row's register cap keep the tiles they ran before (compiled, not
+# timed; docs/tuning.md "Decode, FP8 caches"). Head dim 64 at 32 rows: 128 registers, 4 CTAs per
+# SM (at 80, 34 spill slots). Head dim 256: 8 warps at one CTA per SM, which 255 registers fit at
+# 32 rows (4 warps spill 196 slots at 168, 32 at 224) and 224 at 64 rows (80 slots at 128).
 _DECODE_VERIFY_FP8 = {
     "sm90": {
-        "d256": {32: replace(_DECODE_VERIFY["sm90"]["d256"][32], name="sm90-d256-r32-fp8", max_registers=255)},
+        "d64": {32: DecodeConfig("sm90-d64-r32-fp8", block_n=64, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+                                 max_registers=128, programmatic_launch=True, segment_loops=True)},
+        "d256": {32: DecodeConfig("sm90-d256-r32-fp8", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                  max_registers=255, programmatic_launch=True, segment_loops=True),
+                 64: DecodeConfig("sm90-d256-r64-fp8", block_n=32, num_warps=8, num_stages=2, max_ctas_per_sm=1,
+                                  max_registers=224, programmatic_launch=True, segment_loops=True)},
     },
 }
 
@@ -291,31 +298,35 @@ def _one_loop(config: DecodeConfig) -> DecodeConfig:
 
 # Verify rows that walk one loop per segment drain their pipeline at every segment: batches of
 # many short segments take a row that walks one loop across segments (docs/tuning.md "Decode,
-# verify rows"): the bucket's own tile and schedule in one loop, except head dim 128 at 64 rows,
-# which keeps the 32-token tile it ran before segment loops (faster in one loop than the 64-token
-# tile at B = 256 and 2048).
+# verify rows"): the bucket's own tile and schedule in one loop, except where another tile was
+# timed faster in one loop: head dim 64 at 32 rows (its FP8 row's: 4 CTAs per SM at 128 registers)
+# and 64 rows (3 CTAs at 168), head dim 128 at 64 rows (the 32-token tile), head dim 256 at 64 rows
+# (its FP8 row's: one CTA per SM at 224 registers). Head dim 256 at 32 rows keeps its main row at
+# every batch: it led the one-loop row up to B = 2048.
 _DECODE_VERIFY_MANY_SEGMENTS = {
     "sm90": {
-        "d64": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d64"].items() if cfg.segment_loops},
+        "d64": {32: replace(_one_loop(_DECODE_VERIFY_FP8["sm90"]["d64"][32]), name="sm90-d64-r32-one-loop"),
+                64: DecodeConfig("sm90-d64-r64-one-loop", block_n=64, num_warps=4, num_stages=2,
+                                 max_ctas_per_sm=3, max_registers=168, programmatic_launch=True),
+                128: _one_loop(_DECODE_VERIFY["sm90"]["d64"][128])},
         "d128": {32: _one_loop(_DECODE_VERIFY["sm90"]["d128"][32]),
                  64: DecodeConfig("sm90-d<=128-r64-one-loop", block_n=32, num_warps=4, num_stages=3,
                                   max_ctas_per_sm=2, max_registers=224, programmatic_launch=True),
                  128: _one_loop(_DECODE_VERIFY["sm90"]["d128"][128])},
-        "d256": {rows: _one_loop(cfg) for rows, cfg in _DECODE_VERIFY["sm90"]["d256"].items() if cfg.segment_loops},
+        "d256": {64: replace(_one_loop(_DECODE_VERIFY_FP8["sm90"]["d256"][64]), name="sm90-d256-r64-one-loop")},
     },
 }
 
 # Over an FP8 cache (tiles read as int16 pairs, docs/tuning.md "Decode, FP8 caches") the main
 # verify rows of 32 tile rows beat the one-loop rows at every batch timed, up to 2048 requests:
-# head dims 64 and 128 keep their main row (None: no switch). Head dim 256's one-loop rows spill
-# in an FP8 tile loop at 168 (32 rows) and 224 registers (64 rows); at 255 they do not, still one
-# CTA per SM (compiled, not timed).
+# head dims 64 and 128 keep their main row (None: no switch). Head dim 256's one-loop rows are
+# its FP8 rows' tiles in one loop, at 255 registers, where they do not spill (compiled, not timed).
 _DECODE_VERIFY_MANY_SEGMENTS_FP8 = {
     "sm90": {
         "d64": {32: None},
         "d128": {32: None},
-        "d256": {rows: replace(_DECODE_VERIFY_MANY_SEGMENTS["sm90"]["d256"][rows],
-                               name=f"sm90-d256-r{rows}-fp8-one-loop", max_registers=255) for rows in (32, 64)},
+        "d256": {rows: replace(_one_loop(cfg), name=f"sm90-d256-r{rows}-fp8-one-loop", max_registers=255)
+                 for rows, cfg in _DECODE_VERIFY_FP8["sm90"]["d256"].items()},
     },
 }
 

@@ -280,6 +280,24 @@ def test_verify_rows_realistic(policy, deterministic, page_size, no_tf32):
         check_verify_sample(out, q, k, v, cu, seq_lens, pt, page_size, [0, 1, batch // 2, batch - 1])
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["balanced", "deterministic"])
+@pytest.mark.parametrize("hq,hkv,d", [(64, 8, 64), (16, 2, 256)], ids=["gpt-oss", "qwen3-next"])
+def test_verify_rows_of_other_head_dims(hq, hkv, d, deterministic, no_tf32):
+    """Verify rows of 4 and 8 tokens at head dims 64 and 256 (gpt-oss-20b's and Qwen3-Next's
+    shapes: their own rows), a skewed batch of 16 on the main row and a batch of 2048 on the
+    many-segments row where the row has one: the sampled requests' rows against the fp32 reference."""
+    gen = torch.Generator().manual_seed(9)
+    for total, batch, share in ((262144, 16, 0.8), (131072, 2048, 0.0)):
+        lens = skewed_lens(total, batch, share, gen)
+        _, k, v, seq_lens, pt = build(lens, 16, hq=hq, hkv=hkv, d=d, seed=batch)
+        for q_len in (4, 8):
+            q, cu = verify_queries(lens, q_len, hq, d, gen)
+            attn = evenkv.DecodeAttention(hq, hkv, d, 16, q.dtype, "cuda", batch, pt.shape[1], max_q_len=q_len,
+                                          deterministic=deterministic)
+            out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=q_len), q, k, v)
+            check_verify_sample(out, q, k, v, cu, seq_lens, pt, 16, [0, 1, batch // 2, batch - 1])
+
+
 def test_verify_tree_masks_and_layer_terms(no_tf32):
     """Tree masks (a 7-token draft tree) and, separately, a 128-token window with sinks over an FP8
     cache (gpt-oss's shape): verify rows against the reference."""
