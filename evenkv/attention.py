@@ -42,15 +42,20 @@ class PrefillKernel(Protocol):
     Called once per layer with the batch's extend rows only, causal, every position read
     from the cache (both engines write the new tokens' K/V before attention):
     q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] in q's dtype (any
-    strides, unit stride in D); cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV
-    length including the new tokens); page_table [E, max_pages] int32; max_q_len,
-    max_seq_len: host bounds; sm_scale: the layer's softmax scale; sliding_window (W or
-    None, ``evenkv.extend``'s convention), logit_cap (c or None) and sinks ([Hq] or None)
-    as the layer has them. Writes out rows [0, cu_seqlens_q[E]).
+    strides, unit stride in D), or float8_e4m3fn where ``reads_fp8_cache``; cu_seqlens_q
+    [E + 1] int32 from 0; seq_lens [E] int32 (KV length including the new tokens);
+    page_table [E, max_pages] int32; max_q_len, max_seq_len: host bounds; sm_scale: the
+    layer's softmax scale; sliding_window (W or None, ``evenkv.extend``'s convention),
+    logit_cap (c or None) and sinks ([Hq] or None) as the layer has them; k_scale, v_scale:
+    an FP8 cache's per-tensor scales (host floats, 1.0 for a 16-bit cache). Writes out rows
+    [0, cu_seqlens_q[E]).
     """
 
     name: str
     supports_sinks: bool
+    # Whether it also runs over an FP8 (e4m3) cache, with q cast to e4m3 as the engine's default
+    # backend does (EVENKV_PREFILL=engine).
+    reads_fp8_cache: bool
 
     def invariant(self) -> "PrefillKernel | None":
         """The same kernel in a form whose result for a query row depends on its own request's
@@ -60,20 +65,33 @@ class PrefillKernel(Protocol):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor, max_q_len: int,
                  max_seq_len: int, sm_scale: float, sliding_window: int | None, logit_cap: float | None,
-                 sinks: torch.Tensor | None) -> None: ...
+                 sinks: torch.Tensor | None, k_scale: float = 1.0, v_scale: float = 1.0) -> None: ...
 
 
 PREFILL_ENV = "EVENKV_PREFILL"
-PREFILL_CHOICES = ("auto", "triton")
+PREFILL_CHOICES = ("auto", "engine", "triton")
+
+
+def _prefill_choice() -> str:
+    value = os.environ.get(PREFILL_ENV, "auto") or "auto"
+    if value not in PREFILL_CHOICES:
+        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_CHOICES}, got {value!r}")
+    return value
 
 
 def engine_prefill_wanted() -> bool:
     """Whether the engine adapters should hand extend rows to the engine's own prefill kernel:
-    ``EVENKV_PREFILL=auto`` (default) yes where there is one, ``triton`` never."""
-    value = os.environ.get(PREFILL_ENV, "auto") or "auto"
-    if value not in PREFILL_CHOICES:
-        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_CHOICES}, got {value!r}")
-    return value == "auto"
+    ``EVENKV_PREFILL=auto`` (default) over a 16-bit cache where there is one, ``engine`` over
+    an FP8 cache too (``engine_fp8_prefill_wanted``), ``triton`` never."""
+    return _prefill_choice() != "triton"
+
+
+def engine_fp8_prefill_wanted() -> bool:
+    """Whether extend rows over an FP8 cache go to the engine's prefill kernel as well
+    (``EVENKV_PREFILL=engine``), which casts q to e4m3 as the engine's default backend does:
+    faster prefill, at that backend's accuracy (docs/tuning.md, "What 8-bit dots cost in
+    accuracy"). By default they run on evenkv's Triton extend, q in 16 bits."""
+    return _prefill_choice() == "engine"
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,11 +144,11 @@ class Attention:
             k_scale / v_scale).
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
         prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
-            None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel;
-            deterministic mode takes the kernel's batch- and chunking-invariant form
-            (``PrefillKernel.invariant``) or, where it has none, the Triton kernel
-            (``prefill_reason`` says which runs and why; ``decode_reason`` which of evenkv's
-            decode kernels the decode rows run on). The page audit
+            None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel
+            unless the kernel ``reads_fp8_cache``; deterministic mode takes the kernel's
+            batch- and chunking-invariant form (``PrefillKernel.invariant``) or, where it has
+            none, the Triton kernel (``prefill_reason`` says which runs and why;
+            ``decode_reason`` which of evenkv's decode kernels the decode rows run on). The page audit
             still reports bad page ids, but memory safety against them is then the engine
             kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
@@ -205,16 +223,19 @@ class Attention:
         """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""
         if kernel is None:
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
+        fp8_query = ""
         if self.kv_dtype != self.dtype:
-            return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, and {kernel.name} reads "
-                          "an FP8 cache only with an FP8 query")
+            if not kernel.reads_fp8_cache:
+                return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, and {kernel.name} reads "
+                              f"an FP8 cache only with an FP8 query ({PREFILL_ENV}=engine takes it)")
+            fp8_query = f", over the FP8 cache with q cast to e4m3 ({PREFILL_ENV}=engine)"
         if self.deterministic:
             invariant = kernel.invariant()
             if invariant is None:
                 return None, (f"evenkv's Triton extend kernel: deterministic mode needs a prefill that is batch "
                               f"and chunking invariant, which {kernel.name} is not known to be")
-            return invariant, f"{invariant.name} (the engine's prefill kernel, batch and chunking invariant)"
-        return kernel, f"{kernel.name} (the engine's prefill kernel)"
+            return invariant, f"{invariant.name} (the engine's prefill kernel, batch and chunking invariant{fp8_query})"
+        return kernel, f"{kernel.name} (the engine's prefill kernel{fp8_query})"
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -415,7 +436,8 @@ class Attention:
                                 out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q, seq_lens=d.seq_lens,
                                 page_table=d.page_table, max_q_len=d.max_q_len, max_seq_len=d.max_seq_len,
                                 sm_scale=terms.sm_scale, sliding_window=self.sliding_window,
-                                logit_cap=self.logit_cap, sinks=terms.sinks)
+                                logit_cap=self.logit_cap, sinks=terms.sinks, k_scale=terms.k_scale,
+                                v_scale=terms.v_scale)
         return out
 
 
@@ -424,4 +446,5 @@ def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
 
 
-__all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]
+__all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_fp8_prefill_wanted",
+           "engine_prefill_wanted"]

@@ -675,23 +675,25 @@ class ReferencePrefill:
 
     supports_sinks = True
 
-    def __init__(self, invariant: bool | None = None):
+    def __init__(self, invariant: bool | None = None, reads_fp8_cache: bool = False):
         """invariant: None, a kernel with no invariant form; False, one that has one; True, that form."""
         self.calls = []
         self.has_invariant, self.is_invariant = invariant is not None, bool(invariant)
+        self.reads_fp8_cache = reads_fp8_cache
         self.name = "invariant reference prefill" if self.is_invariant else "reference prefill"
 
     def invariant(self):
-        return ReferencePrefill(invariant=True) if self.has_invariant else None
+        return ReferencePrefill(invariant=True, reads_fp8_cache=self.reads_fp8_cache) if self.has_invariant else None
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale, sliding_window, logit_cap, sinks):
+                 sm_scale, sliding_window, logit_cap, sinks, k_scale=1.0, v_scale=1.0):
         self.calls.append(dict(rows=q.shape[0], cu=cu_seqlens_q.tolist(), lens=seq_lens.tolist(),
                                pages=page_table.shape, max_q_len=max_q_len, max_seq_len=max_seq_len,
                                sm_scale=sm_scale, cache=tuple(k_cache.shape), window=sliding_window, cap=logit_cap,
-                               sinks=sinks))
+                               sinks=sinks, kv_dtype=k_cache.dtype, scales=(k_scale, v_scale)))
         ref = extend_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k_cache.shape[1],
-                               sm_scale=sm_scale, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks)
+                               sm_scale=sm_scale, sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks,
+                               k_scale=k_scale, v_scale=v_scale)
         n = int(cu_seqlens_q[-1])
         out[:n] = ref[:n].to(out.dtype)
 
@@ -743,6 +745,27 @@ def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
     batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, prefill_kernel=ReferencePrefill(), **kw)
     assert attn.prefill_kernel is None and why in attn.prefill_reason and "Triton" in attn.prefill_reason
+    if "kv_dtype" in kw:
+        assert "EVENKV_PREFILL=engine" in attn.prefill_reason
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_fp8_cache_extend_rows_on_a_kernel_that_reads_fp8(device, deterministic):
+    """A prefill kernel that ``reads_fp8_cache`` (the engines' FA3 under EVENKV_PREFILL=engine)
+    takes the extend rows over an FP8 cache too, in deterministic mode its invariant form, and
+    gets the cache as stored with the layer's k_scale and v_scale; decode rows stay on evenkv."""
+    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.float16
+    batch = quantized(make_batch([1, 1, 6], [30, 9, 4], hq, hkv, d, ps, dtype, device, seed=3), 0.05, 0.04)
+    kernel = ReferencePrefill(invariant=False if deterministic else None, reads_fp8_cache=True)
+    attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, prefill_kernel=kernel, kv_dtype=FP8,
+                           deterministic=deterministic)
+    assert attn.prefill_kernel is not None and "q cast to e4m3 (EVENKV_PREFILL=engine)" in attn.prefill_reason
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=2, max_q_len=6)
+    assert plan.delegated is not None and plan.extend is None
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], k_scale=0.05, v_scale=0.04)
+    (call,) = attn.prefill_kernel.calls
+    assert call["kv_dtype"] == FP8 and call["scales"] == (0.05, 0.04) and call["rows"] == 6
+    assert_tolerance(out, *reference_pair(batch, ps, k_scale=0.05, v_scale=0.04), dtype)
 
 
 def test_deterministic_mode_takes_the_invariant_prefill(device):
@@ -771,12 +794,14 @@ def test_decode_reason_names_the_policy_and_mode(device, policy, deterministic, 
 
 
 def test_prefill_switch(monkeypatch):
-    from evenkv.attention import engine_prefill_wanted
+    from evenkv.attention import engine_fp8_prefill_wanted, engine_prefill_wanted
 
     monkeypatch.delenv("EVENKV_PREFILL", raising=False)
-    assert engine_prefill_wanted()
+    assert engine_prefill_wanted() and not engine_fp8_prefill_wanted()
+    monkeypatch.setenv("EVENKV_PREFILL", "engine")
+    assert engine_prefill_wanted() and engine_fp8_prefill_wanted()
     monkeypatch.setenv("EVENKV_PREFILL", "triton")
-    assert not engine_prefill_wanted()
+    assert not engine_prefill_wanted() and not engine_fp8_prefill_wanted()
     monkeypatch.setenv("EVENKV_PREFILL", "fa3")
     with pytest.raises(ValueError, match="EVENKV_PREFILL.*auto.*fa3"):
         engine_prefill_wanted()

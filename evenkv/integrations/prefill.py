@@ -5,16 +5,32 @@ backend runs them, FA3 on Hopper, while decode rows stay on evenkv's balanced ke
 Triton 3.6 does not generate the warp-specialized WGMMA pipelines that let FA3 hide the
 softmax on SM90, so evenkv's own extend kernel stays behind it there. Each finder returns
 None where the kernel is not there (then evenkv's Triton extend kernel runs) and imports its
-engine lazily; ``EVENKV_PREFILL=triton`` turns them off.
+engine lazily; ``EVENKV_PREFILL=triton`` turns them off. Over an FP8 cache they run only with
+``EVENKV_PREFILL=engine`` (``reads_fp8_cache``), on FA3's 8-bit path with q cast to e4m3, as
+the engines' default backends run it.
 """
 
 import logging
 
 import torch
 
-from evenkv.attention import engine_prefill_wanted
+from evenkv.attention import engine_fp8_prefill_wanted, engine_prefill_wanted
 
 logger = logging.getLogger("evenkv")
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def fp8_operands(q: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float, rows: int) -> tuple:
+    """For FA3 over an FP8 (e4m3) cache, as the engines' default backends run it: (q [T, Hq, D]
+    cast to e4m3 with saturation, q's scale 1; k_descale, v_descale [rows, Hkv] fp32, the
+    cache's per-tensor scales broadcast). Over a 16-bit cache: (q, None, None)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return q, None, None
+    hkv = k_cache.shape[-2]
+    k_descale, v_descale = (torch.full((1, 1), scale, dtype=torch.float32, device=q.device).expand(rows, hkv)
+                            for scale in (k_scale, v_scale))
+    return q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), k_descale, v_descale
 
 
 # FA3 with one KV split walks each query block's keys in one fixed order, so a query row's
@@ -29,22 +45,27 @@ class VllmFlashAttention:
     its FLASH_ATTN backend runs) as evenkv's prefill kernel (``evenkv.attention.PrefillKernel``).
     num_splits: FA's KV splits, 0 = its own choice."""
 
-    def __init__(self, varlen, fa_version: int, num_splits: int = 0):
+    def __init__(self, varlen, fa_version: int, num_splits: int = 0, reads_fp8_cache: bool = False):
         self.varlen, self.fa_version, self.num_splits = varlen, fa_version, num_splits
         self.name = f"FA{fa_version} (vllm.vllm_flash_attn{', one KV split' if num_splits == 1 else ''})"
         self.supports_sinks = fa_version >= 3  # FA2 has no sink term
+        self.reads_fp8_cache = reads_fp8_cache and fa_version >= 3  # FA2 has no FP8 path
 
     def invariant(self) -> "VllmFlashAttention | None":
         """This kernel made batch and chunking invariant (FA3 with one KV split), or None (FA2:
         not checked)."""
-        return VllmFlashAttention(self.varlen, 3, INVARIANT_NUM_SPLITS) if self.fa_version == 3 else None
+        if self.fa_version != 3:
+            return None
+        return VllmFlashAttention(self.varlen, 3, INVARIANT_NUM_SPLITS, self.reads_fp8_cache)
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale, sliding_window=None, logit_cap=None, sinks=None):
+                 sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
+        q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
         self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
                     seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
                     window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=sinks,
-                    block_table=page_table, fa_version=self.fa_version, num_splits=self.num_splits)
+                    block_table=page_table, fa_version=self.fa_version, num_splits=self.num_splits,
+                    k_descale=k_descale, v_descale=v_descale)
 
 
 def fa_window(sliding_window: int | None) -> tuple[int, int]:
@@ -67,7 +88,7 @@ def vllm_flash_attention(device) -> VllmFlashAttention | None:
     major, _ = torch.cuda.get_device_capability(device)
     for version in ((3, 2) if major == 9 else (2,)):
         if is_fa_version_supported(version):
-            return VllmFlashAttention(flash_attn_varlen_func, version)
+            return VllmFlashAttention(flash_attn_varlen_func, version, reads_fp8_cache=engine_fp8_prefill_wanted())
     return None
 
 
@@ -77,20 +98,21 @@ class SGLangFlashAttention:
 
     supports_sinks = True
 
-    def __init__(self, with_kvcache, num_splits: int = 0):
-        self.with_kvcache, self.num_splits = with_kvcache, num_splits
+    def __init__(self, with_kvcache, num_splits: int = 0, reads_fp8_cache: bool = False):
+        self.with_kvcache, self.num_splits, self.reads_fp8_cache = with_kvcache, num_splits, reads_fp8_cache
         self.name = f"FA3 (SGLang's flash_attn_with_kvcache{', one KV split' if num_splits == 1 else ''})"
 
     def invariant(self) -> "SGLangFlashAttention":
         """This kernel made batch and chunking invariant: FA3 with one KV split."""
-        return SGLangFlashAttention(self.with_kvcache, INVARIANT_NUM_SPLITS)
+        return SGLangFlashAttention(self.with_kvcache, INVARIANT_NUM_SPLITS, self.reads_fp8_cache)
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
-                 sm_scale, sliding_window=None, logit_cap=None, sinks=None):
+                 sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
+        q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
         self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
                           window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out,
-                          num_splits=self.num_splits)
+                          num_splits=self.num_splits, k_descale=k_descale, v_descale=v_descale)
 
 
 def sglang_flash_attention(device) -> SGLangFlashAttention | None:
@@ -106,7 +128,8 @@ def sglang_flash_attention(device) -> SGLangFlashAttention | None:
     except Exception as err:  # noqa: BLE001 - any failure to load means: no FA3 here
         logger.info("evenkv: SGLang's FA3 does not load (%s: %s)", type(err).__name__, err)
         return None
-    return SGLangFlashAttention(fa3.flash_attn_with_kvcache)
+    return SGLangFlashAttention(fa3.flash_attn_with_kvcache, reads_fp8_cache=engine_fp8_prefill_wanted())
 
 
-__all__ = ["SGLangFlashAttention", "VllmFlashAttention", "sglang_flash_attention", "vllm_flash_attention"]
+__all__ = ["SGLangFlashAttention", "VllmFlashAttention", "fp8_operands", "sglang_flash_attention",
+           "vllm_flash_attention"]

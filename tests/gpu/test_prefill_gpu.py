@@ -48,6 +48,40 @@ def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes)
     evenkv.check_errors()
 
 
+# FA3's 8-bit path rounds P to e4m3 in its PV dot: 2.7-3.0 % of the largest output's magnitude
+# in docs/tuning.md's emulation ("What 8-bit dots cost in accuracy", random normal K and V).
+FP8_P_ERROR = 0.05
+
+
+def test_engine_prefill_over_an_fp8_cache(monkeypatch):
+    """EVENKV_PREFILL=engine: extend rows over an FP8 cache on vLLM's FA3 8-bit path (q cast to
+    e4m3, the cache's scales as descales), within FA3's e4m3-P error of the fp32 reference over
+    the e4m3 q and the dequantized cache; decode rows of the same batch stay on evenkv (q in 16
+    bits), within the usual rule of the full-precision reference."""
+    from test_extend import quantized
+
+    monkeypatch.setenv("EVENKV_PREFILL", "engine")
+    kernel = vllm_flash_attention("cuda")
+    if kernel is None or not kernel.reads_fp8_cache:
+        pytest.skip("vllm.vllm_flash_attn's FA3 is not importable here (source the peers or vLLM kit)")
+    hq, hkv, d, ps, dtype, nd = 32, 4, 128, 16, torch.bfloat16, 8
+    q_lens, prefixes = [1] * nd + [1500, 200, 9], [3000] * nd + [4000, 0, 700]
+    batch = quantized(make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=5), 0.05, 0.04)
+    attn = evenkv.Attention(hq, hkv, d, ps, dtype, "cuda", 64, batch["page_table"].shape[1], prefill_kernel=kernel,
+                            kv_dtype=torch.float8_e4m3fn)
+    assert attn.prefill_kernel is kernel, attn.prefill_reason
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=nd, max_q_len=1500,
+                     max_seq_len=5500)
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], k_scale=0.05, v_scale=0.04)
+    scales = dict(k_scale=0.05, v_scale=0.04, max_scores=1 << 28)
+    ref, lowp = reference_pair(batch, ps, **scales)
+    assert_tolerance(out[:nd], ref[:nd], lowp[:nd], dtype)
+    q8 = batch["q"].float().clamp(-448, 448).to(torch.float8_e4m3fn).to(dtype)
+    ref8, _ = reference_pair(dict(batch, q=q8), ps, **scales)
+    err = (out[nd:].float() - ref8[nd:]).abs().max().item()
+    assert err <= FP8_P_ERROR * ref8[nd:].abs().max().item(), err
+
+
 @pytest.mark.parametrize("chunks", [4])
 def test_chunked_prefill_bitwise_invariant(chunks):
     """An 8K-token prompt prefilled at once or in 4 chunks of 2K (vLLM's layout, evenkv's Triton
