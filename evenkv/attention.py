@@ -54,7 +54,7 @@ class PrefillKernel(Protocol):
     name: str
     supports_sinks: bool
     # Whether it also runs over an FP8 (e4m3) cache, with q cast to e4m3 as the engine's default
-    # backend does (EVENKV_PREFILL=engine).
+    # backend does (FA3's 8-bit path; FA2 has none).
     reads_fp8_cache: bool
 
     def invariant(self) -> "PrefillKernel | None":
@@ -69,29 +69,18 @@ class PrefillKernel(Protocol):
 
 
 PREFILL_ENV = "EVENKV_PREFILL"
-PREFILL_CHOICES = ("auto", "engine", "triton")
-
-
-def _prefill_choice() -> str:
-    value = os.environ.get(PREFILL_ENV, "auto") or "auto"
-    if value not in PREFILL_CHOICES:
-        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_CHOICES}, got {value!r}")
-    return value
+PREFILL_CHOICES = ("auto", "triton")
 
 
 def engine_prefill_wanted() -> bool:
     """Whether the engine adapters should hand extend rows to the engine's own prefill kernel:
-    ``EVENKV_PREFILL=auto`` (default) over a 16-bit cache where there is one, ``engine`` over
-    an FP8 cache too (``engine_fp8_prefill_wanted``), ``triton`` never."""
-    return _prefill_choice() != "triton"
-
-
-def engine_fp8_prefill_wanted() -> bool:
-    """Whether extend rows over an FP8 cache go to the engine's prefill kernel as well
-    (``EVENKV_PREFILL=engine``), which casts q to e4m3 as the engine's default backend does:
-    faster prefill, at that backend's accuracy (docs/tuning.md, "What 8-bit dots cost in
-    accuracy"). By default they run on evenkv's Triton extend, q in 16 bits."""
-    return _prefill_choice() == "engine"
+    ``EVENKV_PREFILL=auto`` (default) where there is one, over an FP8 cache too where it reads
+    one (q cast to e4m3, the engine's default backend's accuracy); ``triton`` never (evenkv's
+    Triton extend, q in 16 bits over an FP8 cache)."""
+    value = os.environ.get(PREFILL_ENV, "auto") or "auto"
+    if value not in PREFILL_CHOICES:
+        raise ValueError(f"{PREFILL_ENV}: expected one of {PREFILL_CHOICES}, got {value!r}")
+    return value == "auto"
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,9 +215,10 @@ class Attention:
         fp8_query = ""
         if self.kv_dtype != self.dtype:
             if not kernel.reads_fp8_cache:
-                return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, and {kernel.name} reads "
-                              f"an FP8 cache only with an FP8 query ({PREFILL_ENV}=engine takes it)")
-            fp8_query = f", over the FP8 cache with q cast to e4m3 ({PREFILL_ENV}=engine)"
+                return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, which {kernel.name} "
+                              "does not read")
+            fp8_query = (f", over the FP8 cache with q cast to e4m3 as the engine's default backend runs it; "
+                         f"{PREFILL_ENV}=triton keeps q in 16 bits")
         if self.deterministic:
             invariant = kernel.invariant()
             if invariant is None:
@@ -446,5 +436,4 @@ def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
 
 
-__all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_fp8_prefill_wanted",
-           "engine_prefill_wanted"]
+__all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

@@ -5,16 +5,15 @@ backend runs them, FA3 on Hopper, while decode rows stay on evenkv's balanced ke
 Triton 3.6 does not generate the warp-specialized WGMMA pipelines that let FA3 hide the
 softmax on SM90, so evenkv's own extend kernel stays behind it there. Each finder returns
 None where the kernel is not there (then evenkv's Triton extend kernel runs) and imports its
-engine lazily; ``EVENKV_PREFILL=triton`` turns them off. Over an FP8 cache they run only with
-``EVENKV_PREFILL=engine`` (``reads_fp8_cache``), on FA3's 8-bit path with q cast to e4m3, as
-the engines' default backends run it.
+engine lazily; ``EVENKV_PREFILL=triton`` turns them off. Over an FP8 cache they run FA3's
+8-bit path with q cast to e4m3, as the engines' default backends run it.
 """
 
 import logging
 
 import torch
 
-from evenkv.attention import engine_fp8_prefill_wanted, engine_prefill_wanted
+from evenkv.attention import engine_prefill_wanted
 
 logger = logging.getLogger("evenkv")
 
@@ -45,18 +44,15 @@ class VllmFlashAttention:
     its FLASH_ATTN backend runs) as evenkv's prefill kernel (``evenkv.attention.PrefillKernel``).
     num_splits: FA's KV splits, 0 = its own choice."""
 
-    def __init__(self, varlen, fa_version: int, num_splits: int = 0, reads_fp8_cache: bool = False):
+    def __init__(self, varlen, fa_version: int, num_splits: int = 0):
         self.varlen, self.fa_version, self.num_splits = varlen, fa_version, num_splits
         self.name = f"FA{fa_version} (vllm.vllm_flash_attn{', one KV split' if num_splits == 1 else ''})"
-        self.supports_sinks = fa_version >= 3  # FA2 has no sink term
-        self.reads_fp8_cache = reads_fp8_cache and fa_version >= 3  # FA2 has no FP8 path
+        self.supports_sinks = self.reads_fp8_cache = fa_version >= 3  # FA2 has no sink term and no FP8 path
 
     def invariant(self) -> "VllmFlashAttention | None":
         """This kernel made batch and chunking invariant (FA3 with one KV split), or None (FA2:
         not checked)."""
-        if self.fa_version != 3:
-            return None
-        return VllmFlashAttention(self.varlen, 3, INVARIANT_NUM_SPLITS, self.reads_fp8_cache)
+        return VllmFlashAttention(self.varlen, 3, INVARIANT_NUM_SPLITS) if self.fa_version == 3 else None
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
@@ -88,7 +84,7 @@ def vllm_flash_attention(device) -> VllmFlashAttention | None:
     major, _ = torch.cuda.get_device_capability(device)
     for version in ((3, 2) if major == 9 else (2,)):
         if is_fa_version_supported(version):
-            return VllmFlashAttention(flash_attn_varlen_func, version, reads_fp8_cache=engine_fp8_prefill_wanted())
+            return VllmFlashAttention(flash_attn_varlen_func, version)
     return None
 
 
@@ -96,15 +92,15 @@ class SGLangFlashAttention:
     """SGLang's own FA3 (``flash_attn_with_kvcache``, what its ``fa3`` backend runs on Hopper) as
     evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
 
-    supports_sinks = True
+    supports_sinks = reads_fp8_cache = True
 
-    def __init__(self, with_kvcache, num_splits: int = 0, reads_fp8_cache: bool = False):
-        self.with_kvcache, self.num_splits, self.reads_fp8_cache = with_kvcache, num_splits, reads_fp8_cache
+    def __init__(self, with_kvcache, num_splits: int = 0):
+        self.with_kvcache, self.num_splits = with_kvcache, num_splits
         self.name = f"FA3 (SGLang's flash_attn_with_kvcache{', one KV split' if num_splits == 1 else ''})"
 
     def invariant(self) -> "SGLangFlashAttention":
         """This kernel made batch and chunking invariant: FA3 with one KV split."""
-        return SGLangFlashAttention(self.with_kvcache, INVARIANT_NUM_SPLITS, self.reads_fp8_cache)
+        return SGLangFlashAttention(self.with_kvcache, INVARIANT_NUM_SPLITS)
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
@@ -128,7 +124,7 @@ def sglang_flash_attention(device) -> SGLangFlashAttention | None:
     except Exception as err:  # noqa: BLE001 - any failure to load means: no FA3 here
         logger.info("evenkv: SGLang's FA3 does not load (%s: %s)", type(err).__name__, err)
         return None
-    return SGLangFlashAttention(fa3.flash_attn_with_kvcache, reads_fp8_cache=engine_fp8_prefill_wanted())
+    return SGLangFlashAttention(fa3.flash_attn_with_kvcache)
 
 
 __all__ = ["SGLangFlashAttention", "VllmFlashAttention", "fp8_operands", "sglang_flash_attention",

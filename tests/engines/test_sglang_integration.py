@@ -1311,17 +1311,14 @@ def test_flash_attention_prefill_choice(monkeypatch):
     kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
     assert calls[0]["cache_seqlens"] is lens and calls[0]["page_table"] is pt and calls[0]["out"] is q
     assert calls[0]["causal"] and calls[0]["max_seqlen_q"] == 5
-    assert calls[0]["k_descale"] is None and calls[0]["q"] is q and not kernel.reads_fp8_cache
-    monkeypatch.setenv("EVENKV_PREFILL", "engine")  # FP8 caches too, q cast to e4m3 as fa3 does
-    kernel = prefill.sglang_flash_attention(gpu)
-    assert kernel.reads_fp8_cache and kernel.invariant().reads_fp8_cache
+    assert calls[0]["k_descale"] is None and calls[0]["q"] is q
+    assert kernel.reads_fp8_cache and kernel.invariant().reads_fp8_cache  # q cast to e4m3 as fa3 does
     k8 = torch.zeros(9, 1, 2, 64, dtype=torch.float8_e4m3fn)
     kernel(q, k8, k8, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
            k_scale=0.5, v_scale=2.0)
     call = calls[-1]
     assert call["q"].dtype == torch.float8_e4m3fn and call["k_descale"].shape == (1, 2)
     assert call["k_descale"].eq(0.5).all() and call["v_descale"].eq(2.0).all()
-    monkeypatch.delenv("EVENKV_PREFILL")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert prefill.sglang_flash_attention(gpu) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -1180,10 +1180,8 @@ def test_flash_attention_prefill_choice(monkeypatch):
     kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
     assert calls[0]["seqused_k"] is lens and calls[0]["block_table"] is pt and calls[0]["causal"]
     assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"], calls[0]["fa_version"]) == (5, 9, 3)
-    assert calls[0]["k_descale"] is None and calls[0]["q"] is q and not kernel.reads_fp8_cache
-    monkeypatch.setenv("EVENKV_PREFILL", "engine")  # FP8 caches too, q cast to e4m3 as FLASH_ATTN does
-    kernel = prefill.vllm_flash_attention(gpu)
-    assert kernel.reads_fp8_cache and kernel.invariant().reads_fp8_cache
+    assert calls[0]["k_descale"] is None and calls[0]["q"] is q
+    assert kernel.reads_fp8_cache and kernel.invariant().reads_fp8_cache  # q cast to e4m3 as FLASH_ATTN does
     k8 = torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn)
     q[0, 0, 0] = 1000.0  # past e4m3's largest value: saturates
     kernel(q, k8, k8, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
@@ -1192,9 +1190,9 @@ def test_flash_attention_prefill_choice(monkeypatch):
     assert call["q"].dtype == torch.float8_e4m3fn and call["q"][0, 0, 0].float() == 448.0
     assert call["k_descale"].shape == (1, 2) and call["k_descale"].dtype == torch.float32
     assert call["k_descale"].eq(0.05).all() and call["v_descale"].eq(0.25).all()
-    monkeypatch.delenv("EVENKV_PREFILL")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert prefill.vllm_flash_attention(gpu).fa_version == 2
+    fa2 = prefill.vllm_flash_attention(gpu)
+    assert fa2.fa_version == 2 and not fa2.reads_fp8_cache
     assert prefill.vllm_flash_attention(torch.device("cpu")) is None
     fake.is_fa_version_supported = lambda version: False
     assert prefill.vllm_flash_attention(gpu) is None

@@ -1,7 +1,8 @@
-"""GPU lane: extend rows on the engine's prefill kernel (vLLM's FA3) against evenkv's Triton
+"""GPU lane: extend rows on the engine's prefill kernel (vLLM's or SGLang's FA3) against evenkv's Triton
 extend kernel and the fp32 reference, pages 16 (vLLM) and 1 (SGLang), mixed batches.
 
-Needs ``vllm.vllm_flash_attn`` (the peers or vLLM device kit): skipped, saying so, without it.
+Needs ``vllm.vllm_flash_attn`` (the peers or vLLM device kit) or, for the FP8 case on SGLang's
+FA3, the SGLang kit: each case is skipped, saying so, without its kernel.
 """
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import evenkv
 import evenkv.errors
-from evenkv.integrations.prefill import vllm_flash_attention
+from evenkv.integrations.prefill import sglang_flash_attention, vllm_flash_attention
 from test_extend import assert_tolerance, make_batch, reference_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
@@ -53,18 +54,20 @@ def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes)
 FP8_P_ERROR = 0.05
 
 
-def test_engine_prefill_over_an_fp8_cache(monkeypatch):
-    """EVENKV_PREFILL=engine: extend rows over an FP8 cache on vLLM's FA3 8-bit path (q cast to
-    e4m3, the cache's scales as descales), within FA3's e4m3-P error of the fp32 reference over
-    the e4m3 q and the dequantized cache; decode rows of the same batch stay on evenkv (q in 16
+@pytest.mark.parametrize("finder, ps", [(vllm_flash_attention, 16), (sglang_flash_attention, 1)],
+                         ids=["vllm-page16", "sglang-page1"])
+def test_engine_prefill_over_an_fp8_cache(monkeypatch, finder, ps):
+    """Extend rows over an FP8 cache on the engine's FA3 8-bit path (q cast to e4m3, the cache's
+    scales as descales), within FA3's e4m3-P error of the fp32 reference over the e4m3 q and the
+    dequantized cache; decode rows of the same batch stay on evenkv (q in 16
     bits), within the usual rule of the full-precision reference."""
     from test_extend import quantized
 
-    monkeypatch.setenv("EVENKV_PREFILL", "engine")
-    kernel = vllm_flash_attention("cuda")
+    monkeypatch.delenv("EVENKV_PREFILL", raising=False)
+    kernel = finder("cuda")
     if kernel is None or not kernel.reads_fp8_cache:
-        pytest.skip("vllm.vllm_flash_attn's FA3 is not importable here (source the peers or vLLM kit)")
-    hq, hkv, d, ps, dtype, nd = 32, 4, 128, 16, torch.bfloat16, 8
+        pytest.skip(f"{finder.__name__}: this engine's FA3 is not importable here (source its device kit)")
+    hq, hkv, d, dtype, nd = 32, 4, 128, torch.bfloat16, 8
     q_lens, prefixes = [1] * nd + [1500, 200, 9], [3000] * nd + [4000, 0, 700]
     batch = quantized(make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=5), 0.05, 0.04)
     attn = evenkv.Attention(hq, hkv, d, ps, dtype, "cuda", 64, batch["page_table"].shape[1], prefill_kernel=kernel,
