@@ -68,7 +68,8 @@ position in the whole run. ``--triton-cache fresh`` gives each child an empty
 children and runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
 vLLM's torch.compile cache (``VLLM_CACHE_ROOT``) and Inductor's (``TORCHINDUCTOR_CACHE_DIR``)
 follow the same rule, in folders beside the Triton one;
-``triton_cache`` says whether a child found its cache empty (cold) or not (warm). Triton
+``triton_cache`` says whether a child found its cache empty (cold), filled by an earlier start
+that reached ready (warm), or only by starts that were stopped before it (partial). Triton
 compiles are counted in the cache directory: at start-up, during the untimed warm-up
 requests after ready (``compiled_during_warmup``, kernel names) and during each workload
 (``triton_compiles_run`` and ``compiled_during_run``, kernel names, ``;``-joined); the
@@ -520,6 +521,19 @@ def stop_server(proc: subprocess.Popen):
 BINARY_SUFFIXES = (".cubin", ".hsaco")
 
 
+# Left in a Triton cache by a child whose engine reached ready: the start-up compiles are all in.
+READY_MARK = ".evenkv-serving-ready"
+
+
+def cache_state(cache_dir: Path, compiled: dict) -> str:
+    """The state of a child's Triton cache at its start: cold (no compiled kernel), warm (an
+    earlier start reached ready with it) or partial (kernels only from starts stopped before
+    ready). compiled: ``compiled_kernels(cache_dir)``."""
+    if not compiled:
+        return "cold"
+    return "warm" if (cache_dir / READY_MARK).exists() else "partial"
+
+
 def compiled_kernels(cache_dir: Path) -> dict[str, str]:
     """{cache entry: kernel name} of the Triton kernels compiled into ``cache_dir``: Triton
     keeps each compiled specialization in its own folder, beside the binary a ``NAME.json``
@@ -608,7 +622,7 @@ def run_child(a, rows: list[dict]):
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="evenkv-triton-cache-"))
     os.environ["TRITON_CACHE_DIR"] = str(cache)
     at_start = compiled_kernels(cache)
-    base["triton_cache"] = "warm" if at_start else "cold"
+    base["triton_cache"] = cache_state(cache, at_start)
     mem = memory_fraction(a.engine, a.mode, a.mem)
     base["mem_fraction"] = mem
     warmup = Workload("warmup", [64, 3000, 17], [8, 8, 8])  # untimed: whatever loads lazily on first use
@@ -640,6 +654,8 @@ def run_child(a, rows: list[dict]):
             ready = time.time()
             base["startup_s"] = round(ready - t, 1)
             base["engine_init_s"] = round(ready - (server_log.first_line_at or t), 1)
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / READY_MARK).touch()
         startup = compiled_since(at_start, cache)
         base["triton_compiles_startup"] = len(startup)
         if a.compiled_startup_file:

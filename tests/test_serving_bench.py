@@ -341,6 +341,18 @@ def test_compiles_are_attributed_by_kernel_name(tmp_path):
                                                  "merge_kernel"]
 
 
+def test_a_cache_is_warm_only_after_a_start_that_reached_ready(tmp_path):
+    """A cache filled by a start stopped before ready (its share of the budget ran out) is
+    partial, not warm: its next start still compiles what the stopped one did not reach."""
+    cache = tmp_path / "triton"
+    assert serving.cache_state(cache, serving.compiled_kernels(cache)) == "cold"
+    _fake_compile(cache, "AAA", "decode_split_kernel")
+    assert serving.cache_state(cache, serving.compiled_kernels(cache)) == "partial"
+    (cache / serving.READY_MARK).touch()
+    assert serving.compiled_kernels(cache) == {"AAA": "decode_split_kernel"}  # the mark is not a kernel
+    assert serving.cache_state(cache, serving.compiled_kernels(cache)) == "warm"
+
+
 def test_vllm_arguments_per_mode(tmp_path):
     default = serving.EngineSetup()
     kw = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, default)
