@@ -211,6 +211,8 @@ class Attention:
     def _choose_prefill(self, kernel: PrefillKernel | None) -> tuple:
         """(the prefill kernel extend rows run on, or None for evenkv's Triton kernel; why)."""
         if kernel is None:
+            if not engine_prefill_wanted():
+                return None, f"evenkv's Triton extend kernel ({PREFILL_ENV}=triton)"
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
         fp8_query = ""
         if self.kv_dtype != self.dtype:

@@ -799,6 +799,8 @@ def test_prefill_switch(monkeypatch):
     assert engine_prefill_wanted()
     monkeypatch.setenv("EVENKV_PREFILL", "triton")
     assert not engine_prefill_wanted()
+    attn = Attention(4, 2, 64, 16, torch.float16, "cpu", 4, 8)
+    assert attn.prefill_kernel is None and "(EVENKV_PREFILL=triton)" in attn.prefill_reason
     monkeypatch.setenv("EVENKV_PREFILL", "engine")
     with pytest.raises(ValueError, match="EVENKV_PREFILL.*auto.*engine"):
         engine_prefill_wanted()
