@@ -56,7 +56,7 @@ server's first log line to a healthy ``/health``), ``import_s`` the engine impor
 ``startup_phases`` the phases the engine itself logs (``engine_startup_phases``: vLLM's Dynamo
 transform, torch.compile, graph capture and init engine; SGLang's startup timings, graph capture
 per forward mode included), and evenkv's kernel builds. A workload a child did not finish (its
-share of the budget ran out: ``stopped``; the engine failed: ``error: ...``) still gets a row
+time ran out: ``stopped``; the engine failed: ``error: ...``) still gets a row
 with the start-up figures measured. ``--startup-only`` starts and stops each engine, sized for
 ``--workloads`` as a full run would be, and serves nothing: one row per child, workload
 ``startup:<workloads>``, with the start-up figures alone (cheap start-up pairs, e.g. both start
@@ -974,6 +974,12 @@ def triton_cache_for(a, c: Child, shared_root: Path | None) -> str:
     return str(d)
 
 
+def child_deadline(left_s: float, children_left: int, min_child_s: float) -> float:
+    """Seconds the next child may run: the budget left less ``min_child_s`` for each of the
+    ``children_left - 1`` children after it."""
+    return left_s - min_child_s * (children_left - 1)
+
+
 def run_parent(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -988,10 +994,12 @@ def run_parent(a) -> int:
         shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
     children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
     for k, c in enumerate(children):
-        share = (t_end - time.time()) / (len(children) - k)  # an equal share for each child left
+        # What is left, less --min-child for each child after this one: a child is stopped only
+        # where it would take the minimum of one after it (a cold start may need several shares).
+        share = child_deadline(t_end - time.time(), len(children) - k, a.min_child)
         label = f"{a.engine} {c.mode} {c.shape} {c.backend} (repeat {c.repeat}, start {c.start_order})"
         if share < a.min_child:
-            print(f"[serving] SKIPPED {label}: a {share:.0f} s share of the budget", flush=True)
+            print(f"[serving] SKIPPED {label}: {share:.0f} s of the budget left for it", flush=True)
             failed += 1
             continue
         rows_json = out / f".{a.engine}-{c.name}.json"
@@ -1080,8 +1088,10 @@ def parse_args(argv=None):
                                 "shape, backend) reused across children (warm from its second start)")
             p.add_argument("--triton-cache-dir", help="shared: the folder that keeps them (default: a new temp folder)")
             p.add_argument("--budget", type=float, default=3600,
-                           help="seconds for all children together, shared equally")
-            p.add_argument("--min-child", type=float, default=120, help="skip a child with less budget left")
+                           help="seconds for all children together; a child is stopped only where it would "
+                                "leave less than --min-child to each child after it")
+            p.add_argument("--min-child", type=float, default=120,
+                           help="seconds kept for each child still to start; a child with less left is skipped")
             p.add_argument("--note", action="append", default=[], help="a line for summary.md (repeatable)")
             p.set_defaults(engine=name)
     p = sub.add_parser("report")

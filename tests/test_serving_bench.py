@@ -353,6 +353,13 @@ def test_a_cache_is_warm_only_after_a_start_that_reached_ready(tmp_path):
     assert serving.cache_state(cache, serving.compiled_kernels(cache)) == "warm"
 
 
+def test_a_child_may_run_into_later_shares_but_not_their_minimum():
+    """A cold start longer than an equal share runs on; every later child keeps --min-child."""
+    assert serving.child_deadline(320, 4, 40) == 200
+    assert serving.child_deadline(100, 1, 40) == 100
+    assert serving.child_deadline(100, 3, 40) == 20  # below --min-child: the parent skips it
+
+
 def test_vllm_arguments_per_mode(tmp_path):
     default = serving.EngineSetup()
     kw = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, default)
