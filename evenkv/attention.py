@@ -42,7 +42,7 @@ class PrefillKernel(Protocol):
     Called once per layer with the batch's extend rows only, causal, every position read
     from the cache (both engines write the new tokens' K/V before attention):
     q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] in q's dtype (any
-    strides, unit stride in D), or float8_e4m3fn where ``reads_fp8_cache``; cu_seqlens_q
+    strides, unit stride in D), or float8_e4m3fn where ``reads_fp8_cache`` and q is bf16; cu_seqlens_q
     [E + 1] int32 from 0; seq_lens [E] int32 (KV length including the new tokens);
     page_table [E, max_pages] int32; max_q_len, max_seq_len: host bounds; sm_scale: the
     layer's softmax scale; sliding_window (W or None, ``evenkv.extend``'s convention),
@@ -54,7 +54,8 @@ class PrefillKernel(Protocol):
     name: str
     supports_sinks: bool
     # Whether it also runs over an FP8 (e4m3) cache, with q cast to e4m3 as the engine's default
-    # backend does (FA3's 8-bit path; FA2 has none).
+    # backend does (FA3's 8-bit path; FA2 has none). That path writes bf16 only, so a 16-bit
+    # model of another dtype keeps evenkv's Triton extend.
     reads_fp8_cache: bool
 
     def invariant(self) -> "PrefillKernel | None":
@@ -134,7 +135,7 @@ class Attention:
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
         prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
             None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel
-            unless the kernel ``reads_fp8_cache``; deterministic mode takes the kernel's
+            unless the kernel ``reads_fp8_cache`` and dtype is bf16; deterministic mode takes the kernel's
             batch- and chunking-invariant form (``PrefillKernel.invariant``) or, where it has
             none, the Triton kernel (``prefill_reason`` says which runs and why;
             ``decode_reason`` which of evenkv's decode kernels the decode rows run on). The page audit
@@ -219,6 +220,9 @@ class Attention:
             if not kernel.reads_fp8_cache:
                 return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, which {kernel.name} "
                               "does not read")
+            if self.dtype != torch.bfloat16:
+                return None, (f"evenkv's Triton extend kernel: over an FP8 cache {kernel.name} writes bf16 only, "
+                              f"and the model is {self.dtype}")
             fp8_query = (f", over the FP8 cache with q cast to e4m3 as the engine's default backend runs it; "
                          f"{PREFILL_ENV}=triton keeps q in 16 bits")
         if self.deterministic:

@@ -753,7 +753,7 @@ def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
 def test_fp8_cache_extend_rows_on_a_kernel_that_reads_fp8(device, deterministic):
     """A prefill kernel that ``reads_fp8_cache`` (the engines' FA3) takes the extend rows over an FP8 cache too, in deterministic mode its invariant form, and
     gets the cache as stored with the layer's k_scale and v_scale; decode rows stay on evenkv."""
-    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.float16
+    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
     batch = quantized(make_batch([1, 1, 6], [30, 9, 4], hq, hkv, d, ps, dtype, device, seed=3), 0.05, 0.04)
     kernel = ReferencePrefill(invariant=False if deterministic else None, reads_fp8_cache=True)
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, prefill_kernel=kernel, kv_dtype=FP8,
@@ -765,6 +765,15 @@ def test_fp8_cache_extend_rows_on_a_kernel_that_reads_fp8(device, deterministic)
     (call,) = attn.prefill_kernel.calls
     assert call["kv_dtype"] == FP8 and call["scales"] == (0.05, 0.04) and call["rows"] == 6
     assert_tolerance(out, *reference_pair(batch, ps, k_scale=0.05, v_scale=0.04), dtype)
+
+
+def test_fp8_cache_of_an_fp16_model_keeps_the_triton_extend(device):
+    """FA3's 8-bit path writes bf16 only: an fp16 model over an FP8 cache keeps evenkv's Triton
+    extend, saying why."""
+    batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
+    attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, kv_dtype=FP8,
+                           prefill_kernel=ReferencePrefill(reads_fp8_cache=True))
+    assert attn.prefill_kernel is None and "writes bf16 only" in attn.prefill_reason
 
 
 def test_deterministic_mode_takes_the_invariant_prefill(device):
