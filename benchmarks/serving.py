@@ -63,7 +63,9 @@ with the start-up figures measured. ``--startup-only`` starts and stops each eng
 orders with a cold and a warm cache).
 Children start in an order that rotates per (mode, shape) group and per repeat
 (``child_order``; ``--first`` picks who starts the first group); ``start_order`` is a child's
-position in the whole run. ``--triton-cache fresh`` gives each child an empty
+position in the whole run. The first engine started on a freshly started machine can take tens
+of seconds longer than the same start later; ``--untimed-start`` starts the first child's
+engine once, untimed, before the timed children. ``--triton-cache fresh`` gives each child an empty
 ``TRITON_CACHE_DIR``; ``shared`` keeps one per (engine, mode, tp, shape, backend) across
 children and runs (``--triton-cache-dir``), so with ``--repeats 2`` the second repeat starts warm;
 vLLM's torch.compile cache (``VLLM_CACHE_ROOT``) and Inductor's (``TORCHINDUCTOR_CACHE_DIR``)
@@ -939,6 +941,21 @@ def child_order(backends: list[str], modes: list[str], shapes: list[str], repeat
     return children
 
 
+def untimed_start(a, first: Child, out: Path, seconds: float) -> None:
+    """``--untimed-start``: start and stop ``first``'s engine once, with a Triton cache of its
+    own, before the timed children, so that what a freshly started machine makes its first
+    engine start pay lands on no child. Its log is
+    ``untimed-start.log``; it writes no row."""
+    scratch = Path(tempfile.mkdtemp(prefix="evenkv-untimed-start-"))
+    c = Child(0, first.mode, first.shape, first.backend, 0)
+    cmd = child_cmd(argparse.Namespace(**{**vars(a), "startup_only": True}), c, scratch / "rows.json",
+                    scratch / "compiled.txt")
+    print(f"[serving] untimed start: {a.engine} {c.mode} {c.shape} {c.backend} ({seconds:.0f} s)", flush=True)
+    with (out / "untimed-start.log").open("w") as log:
+        rc = run_with_deadline(cmd, log, {**os.environ, **compile_cache_env(str(scratch / "triton"))}, seconds)
+    print(f"[serving] untimed start done ({rc})", flush=True)
+
+
 def child_cmd(a, c: Child, rows_json: Path, startup_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.serving", "child", "--engine", a.engine, "--shape", c.shape,
            "--backend", c.backend, "--mode", c.mode, "--tp", str(a.tp), "--repeat", str(c.repeat),
@@ -993,6 +1010,8 @@ def run_parent(a) -> int:
     if a.triton_cache == "shared":
         shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
     children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
+    if a.untimed_start and children:
+        untimed_start(a, children[0], out, child_deadline(t_end - time.time(), len(children) + 1, a.min_child))
     for k, c in enumerate(children):
         # What is left, less --min-child for each child after this one: a child is stopped only
         # where it would take the minimum of one after it (a cold start may need several shares).
@@ -1090,6 +1109,9 @@ def parse_args(argv=None):
             p.add_argument("--budget", type=float, default=3600,
                            help="seconds for all children together; a child is stopped only where it would "
                                 "leave less than --min-child to each child after it")
+            p.add_argument("--untimed-start", action="store_true",
+                           help="start and stop the first child's engine once, untimed, before the timed children "
+                                "(a freshly started machine's first engine start can be tens of seconds slower)")
             p.add_argument("--min-child", type=float, default=120,
                            help="seconds kept for each child still to start; a child with less left is skipped")
             p.add_argument("--note", action="append", default=[], help="a line for summary.md (repeatable)")

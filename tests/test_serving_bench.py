@@ -449,6 +449,37 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
     assert (out / "summary.md").exists()
 
 
+def test_untimed_start_runs_first_and_writes_no_row(tmp_path, monkeypatch):
+    """--untimed-start: one start-up-only start of the first child's engine, with its own Triton
+    cache, before the timed children; only the timed children have rows."""
+    starts = tmp_path / "starts.txt"
+    child = (
+        "import json, os, sys\n"
+        "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+        f"open({str(starts)!r}, 'a').write(a['--backend'] + a['--repeat'] + ' ' + str(a.get('--startup-only'))"
+        " + ' ' + os.environ['TRITON_CACHE_DIR'] + '\\n')\n"
+        "row = {'engine': 'sglang', 'mode': 'default', 'tp': 1, 'shape': 's', 'backend': a['--backend'],\n"
+        "       'workload': 'chat', 'repeat': a['--repeat'], 'start_order': a['--start-order'], 'status': 'ok'}\n"
+        "open(a['--json'], 'w').write(json.dumps([row]))\n")
+
+    def fake_cmd(a, c, rows_json, startup_file):
+        flag = ["--startup-only", "1"] if a.startup_only else []
+        return [sys.executable, "-c", child, "--backend", c.backend, "--repeat", str(c.repeat),
+                "--start-order", str(c.start_order), "--json", str(rows_json)] + flag
+
+    monkeypatch.setattr(serving, "child_cmd", fake_cmd)
+    monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)
+    out = tmp_path / "run"
+    assert serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--first", "fa3", "--untimed-start",
+                         "--min-child", "0", "--budget", "600"]) == 0
+    lines = [line.split() for line in starts.read_text().splitlines()]
+    assert [(b, flag) for b, flag, _ in lines] == [("fa30", "1"), ("fa31", "None"), ("evenkv1", "None")]
+    assert len({cache for _, _, cache in lines}) == 3  # the untimed start warms no child's cache
+    rows = serving.read_rows(out / "serving.csv")
+    assert [(r["backend"], r["start_order"]) for r in rows] == [("fa3", "1"), ("evenkv", "2")]
+    assert (out / "untimed-start.log").exists()
+
+
 def test_server_log_is_copied_and_its_first_line_timed(capfd):
     import subprocess
     import time
