@@ -42,10 +42,10 @@ class PrefillKernel(Protocol):
     Called once per layer with the batch's extend rows only, causal, every position read
     from the cache (both engines write the new tokens' K/V before attention):
     q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] in q's dtype (any
-    strides, unit stride in D), or float8_e4m3fn where ``reads_fp8_cache`` and q is bf16; cu_seqlens_q
-    [E + 1] int32 from 0; seq_lens [E] int32 (KV length including the new tokens);
-    page_table [E, max_pages] int32; max_q_len, max_seq_len: host bounds; sm_scale: the
-    layer's softmax scale; sliding_window (W or None, ``evenkv.extend``'s convention),
+    strides, unit stride in D), or float8_e4m3fn where q's dtype is in ``fp8_cache_dtypes``;
+    cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV length including the new
+    tokens); page_table [E, max_pages] int32; max_q_len, max_seq_len: host bounds; sm_scale:
+    the layer's softmax scale; sliding_window (W or None, ``evenkv.extend``'s convention),
     logit_cap (c or None) and sinks ([Hq] or None) as the layer has them; k_scale, v_scale:
     an FP8 cache's per-tensor scales (host floats, 1.0 for a 16-bit cache). Writes out rows
     [0, cu_seqlens_q[E]).
@@ -53,10 +53,9 @@ class PrefillKernel(Protocol):
 
     name: str
     supports_sinks: bool
-    # Whether it also runs over an FP8 (e4m3) cache, with q cast to e4m3 as the engine's default
-    # backend does (FA3's 8-bit path; FA2 has none). That path writes bf16 only, so a 16-bit
-    # model of another dtype keeps evenkv's Triton extend.
-    reads_fp8_cache: bool
+    # The q / out dtypes with which it also reads an FP8 (e4m3) cache, q cast to e4m3 as the
+    # engine's default backend does: FA3's 8-bit path writes bf16 only; FA2 has none, ().
+    fp8_cache_dtypes: tuple
 
     def invariant(self) -> "PrefillKernel | None":
         """The same kernel in a form whose result for a query row depends on its own request's
@@ -135,11 +134,11 @@ class Attention:
         schedule, extend_config: the extend kernel's schedule and config (see ``extend``).
         prefill_kernel: an engine's prefill kernel (``PrefillKernel``) for the extend rows, or
             None for evenkv's Triton extend kernel. An FP8 cache keeps the Triton kernel
-            unless the kernel ``reads_fp8_cache`` and dtype is bf16; deterministic mode takes the kernel's
-            batch- and chunking-invariant form (``PrefillKernel.invariant``) or, where it has
-            none, the Triton kernel (``prefill_reason`` says which runs and why;
-            ``decode_reason`` which of evenkv's decode kernels the decode rows run on). The page audit
-            still reports bad page ids, but memory safety against them is then the engine
+            unless dtype is in the kernel's ``fp8_cache_dtypes``; deterministic mode takes the
+            kernel's batch- and chunking-invariant form (``PrefillKernel.invariant``) or, where
+            it has none, the Triton kernel (``prefill_reason`` says which runs and why;
+            ``decode_reason`` which of evenkv's decode kernels the decode rows run on). The page
+            audit still reports bad page ids, but memory safety against them is then the engine
             kernel's.
         arch, debug: as ``evenkv.DecodeAttention``.
         max_decode_q_len: the most query tokens one decode row may have (1 + speculative draft
@@ -217,12 +216,9 @@ class Attention:
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
         fp8_query = ""
         if self.kv_dtype != self.dtype:
-            if not kernel.reads_fp8_cache:
-                return None, (f"evenkv's Triton extend kernel: the cache is {self.kv_dtype}, which {kernel.name} "
-                              "does not read")
-            if self.dtype != torch.bfloat16:
-                return None, (f"evenkv's Triton extend kernel: over an FP8 cache {kernel.name} writes bf16 only, "
-                              f"and the model is {self.dtype}")
+            if self.dtype not in kernel.fp8_cache_dtypes:
+                return None, (f"evenkv's Triton extend kernel: {kernel.name} reads a {self.kv_dtype} cache with "
+                              f"q and out in {kernel.fp8_cache_dtypes or 'no dtype'}, and the model is {self.dtype}")
             fp8_query = (f", over the FP8 cache with q cast to e4m3 as the engine's default backend runs it; "
                          f"{PREFILL_ENV}=triton keeps q in 16 bits")
         if self.deterministic:

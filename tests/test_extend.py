@@ -675,15 +675,15 @@ class ReferencePrefill:
 
     supports_sinks = True
 
-    def __init__(self, invariant: bool | None = None, reads_fp8_cache: bool = False):
+    def __init__(self, invariant: bool | None = None, fp8_cache_dtypes: tuple = ()):
         """invariant: None, a kernel with no invariant form; False, one that has one; True, that form."""
         self.calls = []
         self.has_invariant, self.is_invariant = invariant is not None, bool(invariant)
-        self.reads_fp8_cache = reads_fp8_cache
+        self.fp8_cache_dtypes = fp8_cache_dtypes
         self.name = "invariant reference prefill" if self.is_invariant else "reference prefill"
 
     def invariant(self):
-        return ReferencePrefill(invariant=True, reads_fp8_cache=self.reads_fp8_cache) if self.has_invariant else None
+        return ReferencePrefill(invariant=True, fp8_cache_dtypes=self.fp8_cache_dtypes) if self.has_invariant else None
 
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window, logit_cap, sinks, k_scale=1.0, v_scale=1.0):
@@ -740,7 +740,7 @@ def test_prefill_kernel_gets_the_layer_terms(device):
     assert_tolerance(out, ref, lowp, dtype)
 
 
-@pytest.mark.parametrize("kw,why", [(dict(kv_dtype=FP8), "does not read"), (dict(deterministic=True), "deterministic")])
+@pytest.mark.parametrize("kw,why", [(dict(kv_dtype=FP8), "no dtype"), (dict(deterministic=True), "deterministic")])
 def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
     """An FP8 cache on a kernel without an FP8 path (FA2), deterministic mode on one without an
     invariant form: evenkv's Triton extend, saying why."""
@@ -751,11 +751,12 @@ def test_layers_the_prefill_kernel_does_not_take(device, kw, why):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_fp8_cache_extend_rows_on_a_kernel_that_reads_fp8(device, deterministic):
-    """A prefill kernel that ``reads_fp8_cache`` (the engines' FA3) takes the extend rows over an FP8 cache too, in deterministic mode its invariant form, and
+    """A prefill kernel that reads an FP8 cache with the model's dtype (the engines' FA3, bf16)
+    takes the extend rows over an FP8 cache too, in deterministic mode its invariant form, and
     gets the cache as stored with the layer's k_scale and v_scale; decode rows stay on evenkv."""
     hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
     batch = quantized(make_batch([1, 1, 6], [30, 9, 4], hq, hkv, d, ps, dtype, device, seed=3), 0.05, 0.04)
-    kernel = ReferencePrefill(invariant=False if deterministic else None, reads_fp8_cache=True)
+    kernel = ReferencePrefill(invariant=False if deterministic else None, fp8_cache_dtypes=(torch.bfloat16,))
     attn = mixed_attention(device, batch, hq, hkv, d, ps, dtype, prefill_kernel=kernel, kv_dtype=FP8,
                            deterministic=deterministic)
     assert attn.prefill_kernel is not None and "q cast to e4m3" in attn.prefill_reason
@@ -772,8 +773,8 @@ def test_fp8_cache_of_an_fp16_model_keeps_the_triton_extend(device):
     extend, saying why."""
     batch = make_batch([1, 6], [9, 4], 4, 2, 64, 16, torch.float16, device)
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, kv_dtype=FP8,
-                           prefill_kernel=ReferencePrefill(reads_fp8_cache=True))
-    assert attn.prefill_kernel is None and "writes bf16 only" in attn.prefill_reason
+                           prefill_kernel=ReferencePrefill(fp8_cache_dtypes=(torch.bfloat16,)))
+    assert attn.prefill_kernel is None and "the model is torch.float16" in attn.prefill_reason
 
 
 def test_deterministic_mode_takes_the_invariant_prefill(device):

@@ -342,7 +342,7 @@ def test_compiles_are_attributed_by_kernel_name(tmp_path):
 
 
 def test_a_cache_is_warm_only_after_a_start_that_reached_ready(tmp_path):
-    """A cache filled by a start stopped before ready (its share of the budget ran out) is
+    """A cache filled by a start stopped before ready (its time ran out) is
     partial, not warm: its next start still compiles what the stopped one did not reach."""
     cache = tmp_path / "triton"
     assert serving.cache_state(cache, serving.compiled_kernels(cache)) == "cold"

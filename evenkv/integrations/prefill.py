@@ -18,6 +18,8 @@ from evenkv.attention import engine_prefill_wanted
 logger = logging.getLogger("evenkv")
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+# FA3's 8-bit path writes its output in bf16 only.
+FA3_FP8_DTYPES = (torch.bfloat16,)
 
 
 def fp8_operands(q: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float, rows: int) -> tuple:
@@ -47,7 +49,8 @@ class VllmFlashAttention:
     def __init__(self, varlen, fa_version: int, num_splits: int = 0):
         self.varlen, self.fa_version, self.num_splits = varlen, fa_version, num_splits
         self.name = f"FA{fa_version} (vllm.vllm_flash_attn{', one KV split' if num_splits == 1 else ''})"
-        self.supports_sinks = self.reads_fp8_cache = fa_version >= 3  # FA2 has no sink term and no FP8 path
+        self.supports_sinks = fa_version >= 3  # FA2 has no sink term
+        self.fp8_cache_dtypes = FA3_FP8_DTYPES if fa_version >= 3 else ()  # FA2 has no FP8 path
 
     def invariant(self) -> "VllmFlashAttention | None":
         """This kernel made batch and chunking invariant (FA3 with one KV split), or None (FA2:
@@ -92,7 +95,8 @@ class SGLangFlashAttention:
     """SGLang's own FA3 (``flash_attn_with_kvcache``, what its ``fa3`` backend runs on Hopper) as
     evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
 
-    supports_sinks = reads_fp8_cache = True
+    supports_sinks = True
+    fp8_cache_dtypes = FA3_FP8_DTYPES
 
     def __init__(self, with_kvcache, num_splits: int = 0):
         self.with_kvcache, self.num_splits = with_kvcache, num_splits

@@ -925,7 +925,7 @@ class _EnginePrefill:
 
     name = "FA3 (stand-in)"
     supports_sinks = True
-    reads_fp8_cache = False
+    fp8_cache_dtypes = ()
 
     def __call__(self, q, k_cache, v_cache, out, **kwargs):
         pass
@@ -1184,7 +1184,7 @@ def test_flash_attention_prefill_choice(monkeypatch):
     assert calls[0]["seqused_k"] is lens and calls[0]["block_table"] is pt and calls[0]["causal"]
     assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"], calls[0]["fa_version"]) == (5, 9, 3)
     assert calls[0]["k_descale"] is None and calls[0]["q"] is q
-    assert kernel.reads_fp8_cache and kernel.invariant().reads_fp8_cache  # q cast to e4m3 as FLASH_ATTN does
+    assert kernel.fp8_cache_dtypes == kernel.invariant().fp8_cache_dtypes == (torch.bfloat16,)  # as FLASH_ATTN
     k8 = torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn)
     q[0, 0, 0] = 1000.0  # past e4m3's largest value: saturates
     kernel(q, k8, k8, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
@@ -1195,7 +1195,7 @@ def test_flash_attention_prefill_choice(monkeypatch):
     assert call["k_descale"].eq(0.05).all() and call["v_descale"].eq(0.25).all()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     fa2 = prefill.vllm_flash_attention(gpu)
-    assert fa2.fa_version == 2 and not fa2.reads_fp8_cache
+    assert fa2.fa_version == 2 and fa2.fp8_cache_dtypes == ()
     assert prefill.vllm_flash_attention(torch.device("cpu")) is None
     fake.is_fa_version_supported = lambda version: False
     assert prefill.vllm_flash_attention(gpu) is None

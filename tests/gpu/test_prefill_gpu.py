@@ -59,13 +59,13 @@ FP8_P_ERROR = 0.05
 def test_engine_prefill_over_an_fp8_cache(monkeypatch, finder, ps):
     """Extend rows over an FP8 cache on the engine's FA3 8-bit path (q cast to e4m3, the cache's
     scales as descales), within FA3's e4m3-P error of the fp32 reference over the e4m3 q and the
-    dequantized cache; decode rows of the same batch stay on evenkv (q in 16
-    bits), within the usual rule of the full-precision reference."""
+    dequantized cache; decode rows of the same batch stay on evenkv (q in 16 bits), within the
+    usual rule of the full-precision reference."""
     from test_extend import quantized
 
     monkeypatch.delenv("EVENKV_PREFILL", raising=False)
     kernel = finder("cuda")
-    if kernel is None or not kernel.reads_fp8_cache:
+    if kernel is None or not kernel.fp8_cache_dtypes:
         pytest.skip(f"{finder.__name__}: this engine's FA3 is not importable here (source its device kit)")
     hq, hkv, d, dtype, nd = 32, 4, 128, torch.bfloat16, 8
     q_lens, prefixes = [1] * nd + [1500, 200, 9], [3000] * nd + [4000, 0, 700]
