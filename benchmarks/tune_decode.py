@@ -10,9 +10,9 @@ difference from the first candidate's output at that point. Usage:
                                      [--kv-dtype fp8] [--q-len 8] [--deterministic]
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
-byte per element. ``--cache-layout head-major`` stores each KV head's slots together
-(``[Hkv, slots, D]``, viewed as the ``[slots, Hkv, D]`` the kernels take), so a page of one
-head is contiguous, as in an engine's head-major (HND) pages; the default is token-major.
+byte per element. ``--cache-layout head-major`` stores each page head-major (HND: ``[pages,
+Hkv, page, D]``, vLLM's ``VLLM_KV_CACHE_LAYOUT=HND``), so a page of one head is contiguous;
+the default is token-major (NHD: ``[pages, page, Hkv, D]``).
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
 then verify rows); ``--deterministic`` the batch-invariant mode.
 """
@@ -60,12 +60,12 @@ def make_batch(total, batch, dist, page, num_pages, shape, q_len=1):
     return q, seq_lens, pt
 
 
-def random_cache(num_slots, hkv, d, layout, device="cuda"):
-    """A random bf16 cache as [num_slots, Hkv, D]: token-major (contiguous) or head-major
-    (a contiguous [Hkv, num_slots, D] viewed as slots: head stride num_slots * D, slot stride D)."""
+def random_cache(num_pages, page, hkv, d, layout, device="cuda"):
+    """A random bf16 cache as [num_pages, page, Hkv, D] pages, stored token-major (NHD,
+    contiguous) or head-major (HND: a contiguous [num_pages, Hkv, page, D], transposed)."""
     if layout == "token-major":
-        return torch.randn(num_slots, hkv, d, device=device, dtype=torch.bfloat16)
-    return torch.randn(hkv, num_slots, d, device=device, dtype=torch.bfloat16).transpose(0, 1)
+        return torch.randn(num_pages, page, hkv, d, device=device, dtype=torch.bfloat16)
+    return torch.randn(num_pages, hkv, page, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
 
 
 def write_csv(path, rows):
@@ -129,8 +129,8 @@ def main():
     total, page, shape = args.tokens, args.page, SHAPES[args.shape]
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     pages_needed = total // page + 4096
-    k = random_cache(pages_needed * page, hkv, d, args.cache_layout)
-    v = random_cache(pages_needed * page, hkv, d, args.cache_layout)
+    k = random_cache(pages_needed, page, hkv, d, args.cache_layout)
+    v = random_cache(pages_needed, page, hkv, d, args.cache_layout)
     scales = {}
     if args.kv_dtype == "fp8":
         k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)

@@ -24,10 +24,10 @@ import torch
 from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
-from .checks import (INDEX_DTYPES, PlanRecord, as_slots, check_attention_layout, check_batch_limits,
+from .checks import (INDEX_DTYPES, PlanRecord, check_attention_layout, check_batch_limits,
                      check_batch_metadata, check_head_dim, check_kv_caches, check_policy, check_tensor,
-                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
-                     resolve_sm_scale)
+                     decode_caches, normalize_logit_cap, normalize_window, output_like, resolve_device,
+                     resolve_kv_dtype, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode_attention import POLICIES, DecodeAttention, DecodePlan
 from .errors import error_flag
@@ -243,6 +243,7 @@ class Attention:
 
         Shapes as ``run``'s. Under the Triton interpreter nothing is compiled.
         """
+        k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         with parallel_compiles():
             self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, sinks, index_dtypes)
         self.warmed_up = True
@@ -375,9 +376,8 @@ class Attention:
 
         q: [total_q, Hq, D] (dtype of this object; unit stride in D); rows [0,
             num_decode_tokens) are the decode rows'.
-        k_cache, v_cache: [num_slots, Hkv, D] (any strides, unit stride in D) or
-            [num_pages, page_size, Hkv, D] when that views as slots (the decode kernel
-            addresses slots), of ``kv_dtype``.
+        k_cache, v_cache: as ``DecodeAttention.run`` takes them ([num_pages, page_size, Hkv, D],
+            any strides but a unit stride in D, or [num_slots, Hkv, D]), of ``kv_dtype``.
         k_new, v_new: None or [total_q, Hkv, D], as ``evenkv.extend`` (used by the extend
             rows; decode rows always read the cache, which must then hold their token).
         out: optional [total_q, Hq, D]. sm_scale: this call's (a layer's) softmax scale,
@@ -392,6 +392,7 @@ class Attention:
             raise ValueError(f"q: expected at least num_decode_tokens={plan.num_decode_tokens} rows, got {total_q}")
         check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
                         num_kv_heads=hkv, head_dim=d)
+        k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         if (k_new is None) != (v_new is None):
             raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
                              f" and v_new={'None' if v_new is None else 'a tensor'}")
@@ -409,33 +410,24 @@ class Attention:
             check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
                                   capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
         if self._audit_pending:
-            num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else self.page_size)
             plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
-                                           num_slots // self.page_size, self.page_size, self._audit_grid,
-                                           self.max_batch_size)
+                                           k_cache.shape[0], self.page_size, self._audit_grid, self.max_batch_size)
             self._audit_pending = False
         if plan.decode is not None:
             nd = plan.num_decode_tokens
-            self.decode.run_unchecked(plan.decode, q[:nd], as_slots("k_cache", k_cache), as_slots("v_cache", v_cache),
-                                      out[:nd], terms)
+            self.decode.run_unchecked(plan.decode, q[:nd], k_cache, v_cache, out[:nd], terms)
         if ext is not None:
             run_extend(ext, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=terms.sm_scale, causal=True,
                        sliding_window=self.sliding_window, logit_cap=self.logit_cap, sinks=terms.sinks,
                        k_scale=terms.k_scale, v_scale=terms.v_scale)
         if plan.delegated is not None:
             d = plan.delegated
-            self.prefill_kernel(q[d.first_row:], as_pages(k_cache, self.page_size), as_pages(v_cache, self.page_size),
-                                out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q, seq_lens=d.seq_lens,
-                                page_table=d.page_table, max_q_len=d.max_q_len, max_seq_len=d.max_seq_len,
-                                sm_scale=terms.sm_scale, sliding_window=self.sliding_window,
+            self.prefill_kernel(q[d.first_row:], k_cache, v_cache, out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q,
+                                seq_lens=d.seq_lens, page_table=d.page_table, max_q_len=d.max_q_len,
+                                max_seq_len=d.max_seq_len, sm_scale=terms.sm_scale, sliding_window=self.sliding_window,
                                 logit_cap=self.logit_cap, sinks=terms.sinks, k_scale=terms.k_scale,
                                 v_scale=terms.v_scale)
         return out
-
-
-def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """A [num_slots, Hkv, D] cache as [num_pages, page_size, Hkv, D] without a copy."""
-    return cache if cache.dim() == 4 else cache.unflatten(0, (-1, page_size))
 
 
 __all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

@@ -207,29 +207,44 @@ def check_kv_caches(k_cache, v_cache, *, page_size: int | None, dtypes: tuple, d
     return device
 
 
-def check_fp8_pairs(name: str, cache: torch.Tensor) -> None:
-    """An FP8 cache as slots ([num_slots, Hkv, D] e4m3), which decode reads two elements at a
-    time (as int16): even slot and head strides and an even data pointer, as every cache PyTorch
-    allocates has."""
-    odd = [s for s in cache.stride()[:2] if s % 2]
-    if odd or cache.data_ptr() % 2:
-        raise ValueError(f"{name}: an FP8 cache is read two elements at a time: expected even slot and head "
-                         f"strides and a 2-byte aligned start, got strides {cache.stride()} and address "
-                         f"{cache.data_ptr():#x}")
-
-
-def as_slots(name: str, cache: torch.Tensor) -> torch.Tensor:
-    """A checked cache (``check_cache``) as [num_slots, Hkv, D], without a copy: the decode and
-    KV-write kernels address slots, so a [num_pages, page_size, Hkv, D] cache must view as
-    slots (pages of whole slots, e.g. not an HND layout)."""
-    if cache.dim() == 3:
+def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A checked cache (``check_cache``) as [num_pages, page_size, Hkv, D], without a copy: a 4-D
+    cache as it is (any strides: NHD or HND pages, pages of a cross-layer allocation), a 3-D
+    [num_slots, Hkv, D] one as its whole pages (slot = page x page_size + offset; slots past the
+    last whole page are not addressed). The kernels address a token as page x page stride +
+    offset x offset stride + head x head stride."""
+    if cache.dim() == 4:
         return cache
-    try:
-        return cache.view(-1, cache.shape[2], cache.shape[3])
-    except RuntimeError as err:
-        raise ValueError(f"{name}: expected a cache that views as [num_slots, Hkv, D] without a copy (the decode "
-                         f"and KV-write kernels address slots); got shape {tuple(cache.shape)} with strides "
-                         f"{cache.stride()}") from err
+    slot_stride, head_stride, d_stride = cache.stride()
+    return cache.as_strided((cache.shape[0] // page_size, page_size, cache.shape[1], cache.shape[2]),
+                            (slot_stride * page_size, slot_stride, head_stride, d_stride), cache.storage_offset())
+
+
+def check_distinct_elements(name: str, cache: torch.Tensor) -> None:
+    """A cache written in place must not alias itself (an expanded view, strides that overlap):
+    taken by increasing stride, each dim's stride must pass the largest offset the dims inside it
+    reach. Sufficient, and every cache an engine allocates passes it (NHD or HND pages, the K
+    and V halves of vLLM's cache, a cross-layer allocation)."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(cache.stride(), cache.shape) if sz > 1):
+        if stride <= reach:
+            raise ValueError(f"{name}: expected a cache whose elements are distinct (it is written in place), got "
+                             f"shape {tuple(cache.shape)} with strides {cache.stride()}")
+        reach += stride * (size - 1)
+
+
+def decode_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> tuple:
+    """Checked caches (``check_kv_caches``) as the decode kernels read them: ``as_pages`` views;
+    an FP8 cache also needs even strides and an even start, as every cache PyTorch allocates
+    has, since decode reads its elements two at a time (int16)."""
+    k_pages, v_pages = as_pages(k_cache, page_size), as_pages(v_cache, page_size)
+    if k_pages.dtype in FP8_KV_DTYPES:
+        for name, cache in (("k_cache", k_pages), ("v_cache", v_pages)):
+            if any(s % 2 for s in cache.stride()[:3]) or cache.data_ptr() % 2:
+                raise ValueError(f"{name}: an FP8 cache is read two elements at a time: expected even page, "
+                                 f"offset and head strides and a 2-byte aligned start, got strides "
+                                 f"{cache.stride()} (as pages) and address {cache.data_ptr():#x}")
+    return k_pages, v_pages
 
 
 class PlanRecord:

@@ -23,11 +23,11 @@ from evenkv.kernels import plan_launch
 from evenkv.kernels.plan import ACTIVE_REQ_FIELDS
 from evenkv.kernels.launching import compiled_kernel, parallel_compiles
 
-from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, as_slots, check_attention_layout,
-                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_fp8_pairs,
-                     check_head_dim, check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
-                     resolve_sm_scale)
+from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, check_attention_layout,
+                     check_batch_limits, check_batch_metadata, check_cache, check_fp8_capable, check_head_dim,
+                     check_kv_caches, check_kv_scale, check_policy, check_positive_int, check_sinks, check_tensor,
+                     decode_caches, normalize_logit_cap, normalize_window, output_like, resolve_device,
+                     resolve_kv_dtype, resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
                       many_segments_config, max_tile_rows, resolve_arch, same_tile, sm_count)
 from .errors import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
@@ -392,7 +392,8 @@ class DecodeAttention:
         sinks: the [Hq] sinks ``run`` will take, or None.
         Under the Triton interpreter nothing is compiled (the launches are no-ops).
         """
-        t = dict(q=q, k_cache=as_slots("k_cache", k_cache), v_cache=as_slots("v_cache", v_cache),
+        k_pages, v_pages = decode_caches(k_cache, v_cache, self.page_size)
+        t = dict(q=q, k_cache=k_pages, v_cache=v_pages,
                  out=out if out is not None else q, sinks=sinks,
                  page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
         # Every count a plan may name lands in some bucket; rows of several tokens carry tree
@@ -500,9 +501,9 @@ class DecodeAttention:
 
         q: [B, Hq, D] for plain decode rows, [total_q, Hq, D] for rows of several query tokens
             (the rows cu_seqlens_q names; dtype of this object; unit stride in D).
-        k_cache, v_cache: [num_slots, Hkv, D] of ``kv_dtype``, any strides but unit stride in
-            D (slot = page * page_size + offset), or [num_pages, page_size, Hkv, D] where that
-            views as slots without a copy.
+        k_cache, v_cache: [num_pages, page_size, Hkv, D] of ``kv_dtype`` with any strides but a
+            unit stride in D (NHD or HND pages alike; an FP8 cache's strides even), or
+            [num_slots, Hkv, D] (slot = page * page_size + offset).
         out: optional output shaped like q (dtype of q).
         sm_scale: softmax scale of this call (a layer's); default the constructor's.
         sinks: None or [Hq] float32/bfloat16/float16 sink logits (gpt-oss): head h's softmax
@@ -517,10 +518,7 @@ class DecodeAttention:
         check_tensor("q", q, shape=(rows, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
         check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
                         num_kv_heads=hkv, head_dim=d)
-        k_cache, v_cache = as_slots("k_cache", k_cache), as_slots("v_cache", v_cache)
-        if self._fp8:
-            check_fp8_pairs("k_cache", k_cache)
-            check_fp8_pairs("v_cache", v_cache)
+        k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if b == 0 or q.shape[0] == 0:
@@ -543,11 +541,11 @@ class DecodeAttention:
                              f"{FP8_KV_DTYPES[0]})")
         return self._terms(scale, sinks, k_scale, v_scale)
 
-    def audit_pages(self, plan: DecodePlan, num_slots: int) -> None:
-        """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_slots``
-        slots in the error flag (the kernels never dereference them)."""
+    def audit_pages(self, plan: DecodePlan, num_pages: int) -> None:
+        """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_pages``
+        pages in the error flag (the kernels never dereference them)."""
         plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
-                                       num_slots // self.page_size, self.page_size, self.num_sms, self.max_batch_size,
+                                       num_pages, self.page_size, self.num_sms, self.max_batch_size,
                                        self.sliding_window or 0)
         self._audit_pending = False
 
@@ -631,19 +629,18 @@ def check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
                          f"(max_pages x page_size), got {hi}")
 
 
-def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_slots: int,
+def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int,
                 sliding_window: int | None = None) -> None:
     """Debug (syncs): every page a request reads ([B, max_pages] table, [B] clamped lengths;
-    with a window only its last W tokens') must lie inside a cache of ``num_slots`` slots."""
-    num_pages = num_slots // page_size
+    with a window only its last W tokens') must lie inside a cache of ``num_pages`` pages."""
     entry = torch.arange(page_table.shape[1], device=page_table.device)[None, :]
     first_tok = (seq_lens - sliding_window).clamp(min=0) if sliding_window else torch.zeros_like(seq_lens)
     used = (entry < ((seq_lens + page_size - 1) // page_size)[:, None]) & (entry >= (first_tok // page_size)[:, None])
     pages = page_table[used]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
         bad = pages[(pages < 0) | (pages >= num_pages)][0].item()
-        raise ValueError(f"page_table: expected page ids in [0, {num_pages}) for a cache of {num_slots} slots "
-                         f"with page_size {page_size}, got {bad}")
+        raise ValueError(f"page_table: expected page ids in [0, {num_pages}) for a cache of {num_pages} pages "
+                         f"of {page_size} tokens, got {bad}")
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -652,7 +649,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
            v_scale: float = 1.0, **kwargs) -> torch.Tensor:
     """One-shot decode for scripts: builds a DecodeAttention, plans and runs once.
 
-    q [B, Hq, D]; k_cache/v_cache [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D]
+    q [B, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D] or [num_slots, Hkv, D]
     (q's dtype or FP8; as ``DecodeAttention.run``); seq_lens [B] int; page_table [B,
     max_pages] int32; sinks, k_scale, v_scale as ``DecodeAttention.run``;
     kwargs as its constructor (sliding_window, logit_cap, ...). Returns [B, Hq, D]. Serving

@@ -19,7 +19,7 @@ import torch
 from evenkv.kernels import plan_launch
 from evenkv.kernels import extend_launch as launch
 
-from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, check_batch_metadata, check_fp8_capable,
+from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, as_pages, check_batch_metadata, check_fp8_capable,
                      check_head_dim, check_kv_caches, check_kv_scale, check_positive_int, check_sinks, check_tensor,
                      normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
@@ -32,7 +32,8 @@ def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
                out: torch.Tensor, *, k_new: torch.Tensor | None, v_new: torch.Tensor | None, sm_scale: float,
                causal: bool, sliding_window: int | None, logit_cap: float | None, sinks: torch.Tensor | None = None,
                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Launch the extend kernel for ``plan`` (inputs assumed validated, as ``extend``'s); returns out."""
+    """Launch the extend kernel for ``plan`` (inputs assumed validated, as ``extend``'s; the caches
+    as [num_pages, page_size, Hkv, D], ``checks.as_pages``); returns out."""
     c = plan.config
     bound = launch.num_query_blocks_bound(q.shape[0], plan.batch_size, plan.max_q_len, plan.group_size, c.block_m)
     launch.launch_extend(q, k_cache, v_cache, k_new, v_new, out, plan.cu_seqlens_q, plan.seq_lens, plan.page_table,
@@ -86,10 +87,9 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     Args (B requests, total_q query rows, G = Hq / Hkv):
         q: [total_q, Hq, D] fp16/bf16, any row/head strides, unit stride in D. Rows of
             request b are ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``.
-        k_cache, v_cache: [num_slots, Hkv, D] (slot = page * page_size + offset) or
-            [num_pages, page_size, Hkv, D], dtype of q or torch.float8_e4m3fn (both the
-            same), any strides but unit stride in D (vLLM's packed K|V halves and HND views
-            both work).
+        k_cache, v_cache: [num_pages, page_size, Hkv, D] or [num_slots, Hkv, D] (slot = page *
+            page_size + offset), dtype of q or torch.float8_e4m3fn (both the same), any
+            strides but unit stride in D (vLLM's packed K|V halves and HND views both work).
         cu_seqlens_q: [B + 1] int32 (or int64), device; cu_seqlens_q[-1] <= total_q.
         seq_lens: [B] int32/int64, device: the total KV length of each request
             INCLUDING its new tokens (vLLM ``seq_lens``, SGLang ``seq_lens``).
@@ -187,9 +187,9 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         config = extend_config(resolve_arch(arch, dev), head_dim, group, max_q_len)
     plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
                        max_q_len=max_q_len, config=config, schedule=schedule)
-    num_slots = k_cache.shape[0] * (1 if k_cache.dim() == 3 else page_size)
-    plan_launch.launch_audit_pages(seq_lens, cu_seqlens_q, page_table, plan.errors, num_slots // page_size, page_size,
-                                     sm_count(dev), batch)
+    k_cache, v_cache = as_pages(k_cache, page_size), as_pages(v_cache, page_size)
+    plan_launch.launch_audit_pages(seq_lens, cu_seqlens_q, page_table, plan.errors, k_cache.shape[0], page_size,
+                                   sm_count(dev), batch)
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 

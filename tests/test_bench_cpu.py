@@ -1080,16 +1080,16 @@ def test_tune_decode_tables_time_fp8_rows_beside_the_bf16_rows():
 
 
 def test_tune_decode_head_major_cache_decodes_like_the_token_major_one():
-    """--cache-layout head-major: each KV head's slots together ([Hkv, slots, D] viewed as
-    [slots, Hkv, D]); decode over it, FP8 included (read as int16 pairs), gives the same bits as
-    over the same values stored token-major."""
+    """--cache-layout head-major: pages stored HND ([pages, Hkv, page, D] viewed as [pages, page,
+    Hkv, D], vLLM's VLLM_KV_CACHE_LAYOUT=HND); decode over it, FP8 included (read as int16
+    pairs), gives the same bits as over the same values stored token-major."""
     from benchmarks import tune_decode
     hq, hkv, d, page, fp8 = 8, 2, 64, 16, torch.float8_e4m3fn
     torch.manual_seed(0)
-    k_hm = tune_decode.random_cache(8 * page, hkv, d, "head-major", "cpu")
-    assert k_hm.shape == (8 * page, hkv, d) and k_hm.stride() == (d, 8 * page * d, 1)
-    assert tune_decode.random_cache(8 * page, hkv, d, "token-major", "cpu").is_contiguous()
-    v_hm = tune_decode.random_cache(8 * page, hkv, d, "head-major", "cpu")
+    k_hm = tune_decode.random_cache(8, page, hkv, d, "head-major", "cpu")
+    assert k_hm.shape == (8, page, hkv, d) and k_hm.stride() == (hkv * page * d, d, page * d, 1)
+    assert tune_decode.random_cache(8, page, hkv, d, "token-major", "cpu").is_contiguous()
+    v_hm = tune_decode.random_cache(8, page, hkv, d, "head-major", "cpu")
     q = torch.randn(2, hq, d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([70, 33], dtype=torch.int32)
     pt = torch.tensor([[5, 0, 7, 2, 6], [3, 1, 4, 0, 0]], dtype=torch.int32)

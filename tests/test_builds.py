@@ -160,7 +160,7 @@ REAL_BUILDS = textwrap.dedent("""
            "fp32" if n.endswith("scale") else "constexpr" if n.isupper() else "i32" for n in kernel.arg_names}
     target = GPUTarget("cuda", 90, 32)
     def build(heads):
-        consts = dict(NUM_KV_HEADS=heads, HEAD_DIM=128, BLOCK_H=heads, BLOCK_D=128, KV_FP8=False)
+        consts = dict(PAGE_SIZE=1, NUM_KV_HEADS=heads, HEAD_DIM=128, BLOCK_H=heads, BLOCK_D=128, KV_FP8=False)
         src = ASTSource(kernel, sig, {(kernel.arg_names.index(k),): v for k, v in consts.items()})
         return lambda: triton.compile(src, target=target, options={"num_warps": 4})
     with launching.ForkedBuilds(processes=3) as mode:

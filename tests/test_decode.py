@@ -358,8 +358,19 @@ def test_stack_pointer_data_reads_flags_the_miscompile():
                                                          "@!P4 FMUL R5, -R1.reuse, R2"]
 
 
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 8, 8), (128, 4, 8), (256, 2, 8)],
+                         ids=["gpt-oss", "qwen3", "qwen3-next"])
+def test_fp8_rows_compile_over_head_major_pages(head_dim, num_kv_heads, group):
+    """Over pages that are not page_size offsets apart (PAGE_GAP: vLLM's HND pages, a KV
+    connector's cross-layer allocation), the FP8 main rows, layer terms on, still fit their CTAs
+    per SM and keep local memory out of the tile loop, their deterministic builds too."""
+    from evenkv.configs import decode_config
+    _check_row_compiles(decode_config("sm90", head_dim, 16, True), 90, head_dim, num_kv_heads, group,
+                        layer_terms=True, kv_fp8=True, page_gap=True)
+
+
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None,
-                        deterministic=True, spills=False):
+                        deterministic=True, spills=False, page_gap=False):
     """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
     resident CTAs per SM with no local memory in its tile loop (unless ``spills``: a row timed
     faster with its spills), and so does its deterministic variant (``deterministic``: for the
@@ -370,7 +381,7 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
-    terms = dict(SOFTCAP=layer_terms, HAS_SINKS=layer_terms, KV_FP8=kv_fp8)
+    terms = dict(SOFTCAP=layer_terms, HAS_SINKS=layer_terms, KV_FP8=kv_fp8, PAGE_GAP=page_gap)
     cache = dict(fp8=["k_ptr", "v_ptr"], bf16=["q_ptr", "out_ptr", "sinks_ptr"]) if kv_fp8 else \
         dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr"])
     common = dict(cache, fp32_ptrs=["o_part_ptr", "lse_part_ptr"], fp32=["qk_scale", "cap_scale", "v_scale"],
@@ -499,7 +510,7 @@ PLANNING_KERNELS = [
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
     ("evenkv.kernels.plan:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
     ("evenkv.kernels.kv_write:kv_write_kernel",
-     dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),
+     dict(PAGE_SIZE=16, NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),
 ]
 
 
@@ -507,8 +518,8 @@ def test_fp8_kv_write_compiles_for_sm90():
     """The FP8 KV write (e4m3 cache, IEEE division by the scales) compiles for sm_90a."""
     (r,) = aot_compile(dict(kernel="evenkv.kernels.kv_write:kv_write_kernel", bf16=["k_new_ptr", "v_new_ptr"],
                             fp8=["k_cache_ptr", "v_cache_ptr"], fp32=["k_scale", "v_scale"],
-                            variants=[dict(cap=90, consts=dict(NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128,
-                                                               KV_FP8=True), options=dict(num_warps=4))]))
+                            variants=[dict(cap=90, consts=dict(PAGE_SIZE=1, NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4,
+                                                               BLOCK_D=128, KV_FP8=True), options=dict(num_warps=4))]))
     assert r["stack"] == 0, r
     assert not r["stack_pointer_data_reads"], r
 

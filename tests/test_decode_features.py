@@ -167,7 +167,7 @@ def test_fp8_cache_read_in_pairs_needs_even_strides(device):
     plan = attn.plan(seq_lens, pt)
     wide = torch.zeros(k8.shape[0], HKV, D + 1, dtype=FP8, device=device)
     wide[..., :D] = k8
-    with pytest.raises(ValueError, match=rf"k_cache: .*two elements at a time.*strides \(\d+, {D + 1}, 1\)"):
+    with pytest.raises(ValueError, match=rf"k_cache: .*two elements at a time.*strides \(\d+, \d+, {D + 1}, 1\)"):
         attn.run(plan, q, wide[..., :D], v8, k_scale=K_SCALE, v_scale=V_SCALE)
     shifted = torch.zeros(v8.numel() + 1, dtype=FP8, device=device)[1:].view(v8.shape)
     with pytest.raises(ValueError, match="v_cache: .*2-byte aligned"):

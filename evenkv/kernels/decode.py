@@ -49,8 +49,12 @@ What a layer adds to plain attention (``decode_launch.LayerTerms``):
   dots run over the head dim's even and odd elements apart (``_attend_tile``), q prescaled
   into fp16 (``_load_q``), k_scale folded into qk_scale and v_scale applied to what is stored.
 
-Token and slot offsets are int64 because ``slot * stride`` passes 2**31 for caches beyond
-2**31 elements. A NaN in q or in a key that a row sees makes that row's output NaN, as in
+The caches are read as [num_pages, page_size, Hkv, D] with any page, offset and head strides
+and a unit stride in D: token-major (NHD) pages, whose page stride is page_size offsets, as
+slots (slot = page * page_size + offset), and pages of any other stride (head-major HND pages,
+the pages of a cross-layer allocation; PAGE_GAP) with one more term (``_token_rows``). Token
+and slot offsets are int64 because ``slot * stride`` passes 2**31 for caches beyond 2**31
+elements. A NaN in q or in a key that a row sees makes that row's output NaN, as in
 exact softmax attention; a row that sees no key (and no sink) is zeros.
 
 Memory safety does not depend on the batch data: a page id outside ``[0, num_pages)`` is
@@ -181,10 +185,24 @@ def _seen_keys(tok, seq_len, q_len, tree, window, G: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
-def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, tok0, seq_len, q_len, tree, window,
-                 num_pages, qk_scale, cap_scale, m, l, acc, G: tl.constexpr, ROWS: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
+def _token_rows(head_ptr, page, tok, stride_off, stride_page, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr):
+    """[BLOCK_N, 1] pointers to tokens ``tok`` ([BLOCK_N], on pages ``page``) of one head's cache:
+    at slot (page * PAGE_SIZE + offset) * stride_off where pages are PAGE_SIZE offsets apart,
+    else (PAGE_GAP) at page * stride_page + offset * stride_off. Page sizes are powers of two."""
+    if PAGE_GAP:
+        rows = head_ptr + (page.to(tl.int64) * stride_page + (tok & (PAGE_SIZE - 1)) * stride_off)[:, None]
+    else:
+        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+        rows = head_ptr + slot[:, None] * stride_off
+    return rows
+
+
+@triton.jit
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot, stride_v_page, page_row_ptr, tok0,
+                 seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G: tl.constexpr,
+                 ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr,
+                 TREE: tl.constexpr):
     """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
     tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
     page-table tail and the unused part of the last page are never read; MULTI_Q: each row
@@ -195,7 +213,7 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     qk_scale and the stored output. Scores are ``s * qk_scale`` or, with SOFTCAP,
     ``soft_cap(s, qk_scale, cap_scale)`` (base 2). A token whose page id lies outside [0,
     num_pages) is not read: its K and V load as zeros (``evenkv.kernels.plan.audit_pages_kernel``
-    flags it).
+    flags it). Tokens are addressed by ``_token_rows``.
 
     Returns the new (m [ROWS] running base-2 max, l [ROWS] running sum, acc [ROWS,
     BLOCK_D] fp32 unnormalised)."""
@@ -207,19 +225,20 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
     # One unsigned compare covers negative ids too.
     key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
-    slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
     KV_FP8: tl.constexpr = k_head.dtype.element_ty == tl.float8e4nv
     if KV_FP8:
         offs_pair = tl.arange(0, BLOCK_D // 2)
         kv_mask = key_ok[:, None] & (offs_pair[None, :] < HEAD_DIM // 2)
-        k_pairs = tl.load((k_head + slot[:, None] * stride_k_slot).to(tl.pointer_type(tl.int16)) +
+        k_pairs = tl.load(_token_rows(k_head, page, tok, stride_k_slot, stride_k_page, PAGE_SIZE,
+                                      PAGE_GAP).to(tl.pointer_type(tl.int16)) +
                           offs_pair[None, :], mask=kv_mask, other=0)
         k_even, k_odd = e4m3_pairs_to_fp16(k_pairs)
         q_even, q_odd = tl.split(tl.reshape(q, [ROWS, BLOCK_D // 2, 2]))
         s = dot_acc(q_odd, tl.trans(k_odd), dot(q_even, tl.trans(k_even)))
     else:
         kv_mask = key_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_head + slot[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(_token_rows(k_head, page, tok, stride_k_slot, stride_k_page, PAGE_SIZE, PAGE_GAP) +
+                    offs_d[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k.to(q.dtype)))
     if SOFTCAP:
         s = soft_cap(s, qk_scale, cap_scale)
@@ -245,7 +264,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
     if KV_FP8:
-        v_pairs = tl.load((v_head + slot[:, None] * stride_v_slot).to(tl.pointer_type(tl.int16)) +
+        v_pairs = tl.load(_token_rows(v_head, page, tok, stride_v_slot, stride_v_page, PAGE_SIZE,
+                                      PAGE_GAP).to(tl.pointer_type(tl.int16)) +
                           offs_pair[None, :], mask=kv_mask, other=0)
         v_even, v_odd = e4m3_pairs_to_fp16(v_pairs)
         # acc's even and odd columns, each its own dot's accumulator; the split and the join
@@ -254,7 +274,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
         p = narrow(p, q.dtype)
         acc = tl.reshape(tl.join(dot_acc(p, v_even, acc_even), dot_acc(p, v_odd, acc_odd)), [ROWS, BLOCK_D])
     else:
-        v = tl.load(v_head + slot[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(_token_rows(v_head, page, tok, stride_v_slot, stride_v_page, PAGE_SIZE, PAGE_GAP) +
+                    offs_d[None, :], mask=kv_mask, other=0.0)
         acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
     if ROWS >= 64:
         # Tiles of 64+ rows take wgmma dots on sm90. Triton 3.6 would leave this one in flight
@@ -266,11 +287,11 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr, 
 
 
 @triton.jit
-def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                  page_row_ptr, h, seq_len, q_len, tree, window, first_tok, tile_begin, tile_end, num_pages,
-                  qk_scale, cap_scale, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
+def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page,
+                  stride_v_head, page_row_ptr, h, seq_len, q_len, tree, window, first_tok, tile_begin, tile_end,
+                  num_pages, qk_scale, cap_scale, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  PAGE_GAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
     """Online softmax of q against tiles [tile_begin, tile_end) of one segment, whose tile t
     holds tokens first_tok + t * BLOCK_N ..; scores and masks as in ``_attend_tile``.
 
@@ -283,10 +304,10 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, 
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_v_slot, page_row_ptr,
-                                 first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
-                                 cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP,
-                                 MULTI_Q, TREE)
+        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot, stride_v_page,
+                                 page_row_ptr, first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages,
+                                 qk_scale, cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D,
+                                 BLOCK_N, SOFTCAP, MULTI_Q, TREE)
     return acc, m, l
 
 
@@ -448,10 +469,10 @@ def decode_stream_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr, merge_counters_ptr,
     seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, active_req_ptr, cta_start_ptr, cta_pos_ptr,
     plan_scalars_ptr, sinks_ptr, error_ptr,
-    stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_qb, stride_qh, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
     stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, batch_size, num_pages, max_q_len, total_q,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr, DETERMINISTIC: tl.constexpr,
@@ -571,10 +592,11 @@ def decode_stream_kernel(
             q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
                         HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
             tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
-            acc, m, l = _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
-                                      page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, q_len, tree, window,
-                                      first_tok, tile_begin, run_end, num_pages, qk_scale, cap_scale, G, ROWS,
-                                      PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
+            acc, m, l = _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot,
+                                      stride_v_page, stride_v_head, page_table_ptr + b.to(tl.int64) * stride_pt, h,
+                                      seq_len, q_len, tree, window, first_tok, tile_begin, run_end, num_pages,
+                                      qk_scale, cap_scale, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                      NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
             _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos, seg_lo,
                        run_end - 1, n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
                        NUM_KV_HEADS, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q,
@@ -598,10 +620,11 @@ def decode_stream_kernel(
                         HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
             tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
             m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head,
-                                     v_ptr + h.to(tl.int64) * stride_v_head, stride_k_slot, stride_v_slot,
-                                     page_table_ptr + b.to(tl.int64) * stride_pt, first_tok + tile * BLOCK_N, seq_len,
-                                     q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS,
-                                     PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE)
+                                     v_ptr + h.to(tl.int64) * stride_v_head, stride_k_slot, stride_k_page,
+                                     stride_v_slot, stride_v_page, page_table_ptr + b.to(tl.int64) * stride_pt,
+                                     first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
+                                     cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                     SOFTCAP, MULTI_Q, TREE)
             if DETERMINISTIC:
                 # The chunk's last tile: store it, fresh accumulator after.
                 chunk_left -= 1
@@ -856,10 +879,10 @@ def decode_units_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, o_part_ptr, lse_part_ptr,
     seq_lens_ptr, cu_seqlens_ptr, tree_ptr, page_table_ptr, unit_req_ptr, unit_split_ptr, req_splits_ptr,
     req_tiles_per_split_ptr, num_units_ptr, queue_ptr, sinks_ptr, error_ptr,
-    stride_qb, stride_qh, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_qb, stride_qh, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
     stride_ob, stride_oh, stride_pt, qk_scale, cap_scale, v_scale, window, num_pages, max_q_len, total_q,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr,
 ):
@@ -907,10 +930,10 @@ def decode_units_kernel(
                     MULTI_Q)
         tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
         acc, m, l = _attend_tiles(
-            q, k_ptr, v_ptr, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+            q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
             page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, q_len, tree, window, first_tok, tile_begin,
-            tile_end, num_pages, qk_scale, cap_scale, G, ROWS, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_STAGES,
-            SOFTCAP, MULTI_Q, TREE)
+            tile_end, num_pages, qk_scale, cap_scale, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+            NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
         if num_splits == 1:
             _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc, m, l, sinks_ptr, v_scale, G,
                          ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)

@@ -118,9 +118,18 @@ def stream_constants(num_kv_heads: int, group_size: int, head_dim: int, page_siz
                 SEGMENT_LOOPS=config.segment_loops)
 
 
-def _cache_strides(q, k_cache, v_cache, out, page_table):
-    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            out.stride(0), out.stride(1), page_table.stride(0))
+def _strides(q, k_cache, v_cache, out, page_table):
+    """q's, the caches' (offset, page, head: the decode kernels address a token as a slot of the
+    offset stride, ``decode._token_rows``) and out's strides and the page table's row stride,
+    as the decode kernels take them."""
+    return (q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(0), k_cache.stride(2), v_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(2), out.stride(0), out.stride(1), page_table.stride(0))
+
+
+def page_gap(k_cache, v_cache) -> bool:
+    """Whether a cache's pages are not page_size offsets apart (HND pages, the pages of a
+    cross-layer allocation): the decode kernels' PAGE_GAP."""
+    return any(c.stride(0) != c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
 
 
 @dataclass(frozen=True)
@@ -160,7 +169,7 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
     ``deterministic``; merge_counters [num_ctas] int32 zeros; cu_seqlens [B + 1] and tree
     [total_q] int32). use_pdl: let the next launch (``launch_merge_stream``, or in deterministic
     mode ``launch_merge_units``, with use_pdl) start early (sm90)."""
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     s = schedule
@@ -168,10 +177,11 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
         decode_stream_kernel, (s.num_ctas,), warmup,
         q, k_cache, v_cache, out, o_part, lse_part, merge_counters, seq_lens, cu_seqlens, tree, page_table,
         s.active_req, s.cta_start, s.cta_pos, s.plan_scalars, sinks, errors,
-        *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window, seq_lens.shape[0],
-        k_cache.shape[0] // page_size, query.max_q_len, q.shape[0],
+        *_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window, seq_lens.shape[0],
+        k_cache.shape[0], query.max_q_len, q.shape[0],
         **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl, query), **terms.constants(k_cache),
-        DETERMINISTIC=deterministic, num_warps=config.num_warps, maxnreg=config.max_registers)
+        PAGE_GAP=page_gap(k_cache, v_cache), DETERMINISTIC=deterministic, num_warps=config.num_warps,
+        maxnreg=config.max_registers)
 
 
 def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, query: QueryRows, num_kv_heads: int,
@@ -195,17 +205,17 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu
                         terms: LayerTerms, query: QueryRows, grid: int, persistent: bool, page_size: int, config,
                         warmup: bool = False):
     """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     return launch_or_compile(
         decode_units_kernel, (grid,), warmup,
         q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu_seqlens, tree, page_table,
         unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, sinks, errors,
-        *_cache_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window,
-        k_cache.shape[0] // page_size, query.max_q_len, q.shape[0],
+        *_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window,
+        k_cache.shape[0], query.max_q_len, q.shape[0],
         **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim, query),
-        PAGE_SIZE=page_size, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        PERSISTENT=persistent, **terms.constants(k_cache), num_warps=config.num_warps,
+        PAGE_SIZE=page_size, PAGE_GAP=page_gap(k_cache, v_cache), BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages, PERSISTENT=persistent, **terms.constants(k_cache), num_warps=config.num_warps,
         maxnreg=config.max_registers)
 
 
@@ -227,14 +237,16 @@ def launch_merge_units(o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, 
 
 def launch_kv_write(k_cache, v_cache, k_new, v_new, slot_mapping, errors, k_scale: float = 1.0,
                     v_scale: float = 1.0, warmup: bool = False):
-    """k_new/v_new [N, Hkv, D] -> caches [num_slots, Hkv, D] at slot_mapping [N] (negative = skip;
-    past the cache: skipped and flagged in errors [1] int32). An FP8 cache stores new / scale."""
+    """k_new/v_new [N, Hkv, D] -> caches [num_pages, page_size, Hkv, D] (any strides) at
+    slot_mapping [N] (slot = page x page_size + offset; negative = skip; past the cache: skipped
+    and flagged in errors [1] int32). An FP8 cache stores new / scale."""
     num_tokens, num_kv_heads, head_dim = k_new.shape
+    num_pages, page_size = k_cache.shape[:2]
     return launch_or_compile(
         kv_write_kernel, (num_tokens,), warmup,
-        k_new, v_new, k_cache, v_cache, slot_mapping, errors, k_cache.shape[0], k_scale, v_scale,
+        k_new, v_new, k_cache, v_cache, slot_mapping, errors, num_pages * page_size, k_scale, v_scale,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], PAGE_SIZE=page_size,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=k_cache.dtype in FP8_KV_DTYPES, num_warps=4)
 

@@ -2,9 +2,8 @@
 
 Each launcher sizes the grid, passes strides and compile-time constants, and launches;
 it does not validate (``evenkv.extend`` and ``evenkv.Attention`` do) and it
-allocates nothing. Cache strides are passed as (page, offset-in-page, head) so a
-cache viewed as ``[num_slots, Hkv, D]`` (any slot/head strides) and one viewed as
-``[num_pages, page_size, Hkv, D]`` (any strides, HND included) take the same path.
+allocates nothing. Caches come as ``[num_pages, page_size, Hkv, D]`` views with any strides
+(``evenkv.checks.as_pages``), passed as (page, offset-in-page, head) strides.
 """
 
 import triton
@@ -30,13 +29,6 @@ def num_query_blocks_bound(total_q: int, batch_size: int, max_q_len: int, group_
     return max(0, min(by_total, by_max))
 
 
-def cache_strides(cache, page_size: int) -> tuple[int, int, int]:
-    """(stride_page, stride_offset, stride_head) of a [num_slots, Hkv, D] or [num_pages, page_size, Hkv, D] view."""
-    if cache.dim() == 3:
-        return cache.stride(0) * page_size, cache.stride(0), cache.stride(1)
-    return cache.stride(0), cache.stride(1), cache.stride(2)
-
-
 def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start,
                   errors, *, num_programs_bound: int, req_begin: int, max_q_len: int, page_size: int, sm_scale: float,
                   causal: bool, window: int | None, logit_cap: float | None, block_m: int, block_n: int,
@@ -44,8 +36,8 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
                   v_scale: float = 1.0):
     """One program per (query block, KV head) of the plan; ``num_programs_bound`` query blocks at most.
 
-    q/out [total_q, Hq, D]; k_cache/v_cache as in ``cache_strides``, q's dtype or FP8; k_new/v_new
-    [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32; sinks [Hq]
+    q/out [total_q, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8;
+    k_new/v_new [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32; sinks [Hq]
     or None; k_scale, v_scale: an FP8 cache's dequantization scales (unused for other caches).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -58,15 +50,13 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
     has_new = k_new is not None
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unused pointers when not HAS_NEW
     sink_ptr = sinks if sinks is not None else q  # unused when not HAS_SINKS
-    ks, vs = cache_strides(k_cache, page_size), cache_strides(v_cache, page_size)
-    num_pages = k_cache.shape[0] // page_size if k_cache.dim() == 3 else k_cache.shape[0]
     return launch_or_compile(
         extend_kernel, (max(grid, 1),), warmup,
         q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start, errors, sink_ptr,
-        batch, req_begin, page_table.shape[1] * page_size, window or 0, q.shape[0], max_q_len, num_pages, qk_scale,
-        cap_scale, float(k_scale), float(v_scale),  # floats: Triton does not specialize on their values
+        batch, req_begin, page_table.shape[1] * page_size, window or 0, q.shape[0], max_q_len, k_cache.shape[0],
+        qk_scale, cap_scale, float(k_scale), float(v_scale),  # floats: Triton does not specialize on their values
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), page_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, G=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
