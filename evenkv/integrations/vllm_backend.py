@@ -20,9 +20,11 @@ Three classes, as vLLM expects:
   ``forward``.
 
 KV cache: vLLM's standard ``[num_blocks, Hkv, block_size, 2 * D]`` tensor (K and V
-halves of the last dim), laid out NHD in memory (``[num_blocks, block_size, Hkv, 2 * D]``)
-so that each half views, without a copy, as the ``[num_slots, Hkv, D]`` cache evenkv's
-kernels take (slot = block * block_size + offset, vLLM's ``slot_mapping``). With
+halves of the last dim) in whichever layout vLLM resolves (NHD by default, HND with
+``VLLM_KV_CACHE_LAYOUT=HND`` or a connector that asks for it, a connector's cross-layer
+allocation): each half views, without a copy, as the ``[num_blocks, block_size, Hkv, D]``
+pages evenkv's kernels take with any strides (slot = block * block_size + offset, vLLM's
+``slot_mapping``). With
 ``--kv-cache-dtype fp8`` (e4m3) vLLM allocates it as uint8, viewed here as
 float8_e4m3fn, and passes each layer's per-tensor ``_k_scale_float`` / ``_v_scale_float``.
 
@@ -68,6 +70,12 @@ logger = logging.getLogger("vllm.evenkv")
 # Listed as exact sizes, not MultipleOf(16): vLLM then splits a larger manager block
 # (say 48 or 256) into kernel blocks of the largest size here that divides it.
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+# vLLM 0.26's KV cache layouts -> the physical order of the logical cache [blocks, Hkv,
+# block_size, 2 * D] (False), and of a cross-layer allocation [layers, blocks, Hkv, block_size,
+# 2 * D] (True): blocks outermost, so a block's bytes of every layer are together, which is
+# what a KV connector asks that allocation for.
+KV_CACHE_STRIDE_ORDERS = {"NHD": {False: (0, 2, 1, 3), True: (1, 0, 3, 2, 4)},
+                          "HND": {False: (0, 1, 2, 3), True: (1, 2, 0, 3, 4)}}
 # SM80: bf16 tensor-core dots (tl.dot) need Ampere or newer.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 _MODEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -87,7 +95,7 @@ _FLAG_REASONS = {
 # vLLM's seq_lens and query_start_loc are int32 in both model runners and their drafters:
 # start-up compiles the kernels for int32 lengths only.
 VLLM_INDEX_DTYPE = torch.int32
-# KV connectors move whole blocks (the layout is vLLM's standard NHD); batch-invariant mode
+# KV connectors move whole blocks, in whichever layout vLLM resolves; batch-invariant mode
 # selects evenkv's deterministic decode (the builder reads vLLM's switch); each layer's
 # sliding window reaches its LayerKind.
 _ACCEPTED_FLAGS = ("use_kv_connector", "use_batch_invariant", "has_sliding_window")
@@ -135,22 +143,22 @@ class EvenKVBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        """Physical order NHD, ``[num_blocks, block_size, Hkv, 2 * D]``, so a slot (block, offset)
-        has one stride. With a layers dimension (cross-layer KV allocations for KV connectors),
-        layers stay outermost: ``[num_layers, num_blocks, block_size, Hkv, 2 * D]``, each layer
-        NHD (the blocks-outermost order other backends use would give blocks a stride that is
-        not block_size slots, which the decode kernel's slot addressing cannot follow)."""
-        return (0, 1, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
+        """vLLM 0.26: the physical order of the logical ``[(layers,) blocks, Hkv, block_size, 2 * D]``
+        cache, in the layout vLLM resolved (``VLLM_KV_CACHE_LAYOUT``, else the KV connector's, else
+        NHD). The kernels take pages of any strides, so every layout works: NHD ``[blocks,
+        block_size, Hkv, 2 * D]``, HND ``[blocks, Hkv, block_size, 2 * D]``, and with a layers
+        dimension (a KV connector's cross-layer allocation) blocks outermost, each block's layers
+        together."""
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-    @classmethod
-    def get_required_kv_cache_layout(cls):
-        return "NHD"  # vLLM 0.26: overrides VLLM_KV_CACHE_LAYOUT and connector preferences
+        layout = get_kv_cache_layout()
+        if layout not in KV_CACHE_STRIDE_ORDERS:
+            raise ValueError(f"KV cache layout: expected one of {sorted(KV_CACHE_STRIDE_ORDERS)}, got {layout!r}")
+        return KV_CACHE_STRIDE_ORDERS[layout][include_num_layers_dimension]
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        from vllm.v1.kv_cache_layout import KVCacheLayout  # vLLM >= 0.33 only calls this
-
-        return (KVCacheLayout.LBNHC,)  # per layer [blocks, block_size, Hkv, 2*D]: NHD
+        return None  # vLLM >= 0.33: the kernels take pages of any strides, so any layout
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -489,26 +497,17 @@ def vllm_batch_invariant() -> bool:
     return bool(getattr(vllm.envs, "VLLM_BATCH_INVARIANT", False))
 
 
-def kv_cache_slot_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache (NHD in memory) as evenkv's
-    ``k_cache, v_cache [num_slots, Hkv, D]`` views, slot = block * block_size + offset; a
-    uint8 (FP8) cache is viewed as float8_e4m3fn.
-
-    Raises ValueError (never copies) when the memory layout is not NHD-with-contiguous-blocks,
-    e.g. ``VLLM_KV_CACHE_LAYOUT=HND`` or padded pages.
-    """
+def kv_cache_page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``[num_blocks, Hkv, block_size, 2 * D]`` cache (logical shape; any layout in memory)
+    as evenkv's ``k_cache, v_cache [num_blocks, block_size, Hkv, D]`` views, the two halves of
+    the last dim, without a copy; a uint8 (FP8) cache is viewed as float8_e4m3fn."""
     if kv_cache.dtype == torch.uint8:
         kv_cache = kv_cache.view(torch.float8_e4m3fn)
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         raise ValueError(f"kv_cache: expected [num_blocks, Hkv, block_size, 2*{head_size}], "
                          f"got shape {tuple(kv_cache.shape)}")
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    try:
-        slots = kv_cache.transpose(1, 2).view(num_blocks * block_size, num_kv_heads, 2 * head_size)
-    except RuntimeError as err:
-        raise ValueError(f"kv_cache: evenkv needs vLLM's NHD layout with contiguous blocks, got shape "
-                         f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()}") from err
-    return slots[..., :head_size], slots[..., head_size:]
+    pages = kv_cache.transpose(1, 2)
+    return pages[..., :head_size], pages[..., head_size:]
 
 
 class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
@@ -570,7 +569,7 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
 
         if kv_cache.numel() == 0:  # the placeholder a layer holds before vLLM binds its cache
             return
-        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        k_cache, v_cache = kv_cache_page_views(kv_cache, self.head_size)
         if not self._write_warmed_up and not graph_capturing():
             # For vLLM's slot_mapping dtype only (int64 in both runners and the drafters).
             warmup_write_kv(k_cache, v_cache, key, value, index_dtypes=(slot_mapping.dtype,))
@@ -605,7 +604,7 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         attention, plan = md.plans[self.kind]
         if not attention.warmed_up:
             self._warm_up([attention], query, kv_cache, output)
-        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        k_cache, v_cache = kv_cache_page_views(kv_cache, self.head_size)
         n = md.num_actual_tokens
         attention.run(plan, query[:n], k_cache, v_cache, out=output[:n], sm_scale=self.scale, sinks=self.sinks,
                       **self._kv_scales(layer, k_cache))
@@ -619,7 +618,7 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
         pending = [attention for attention in attentions if not attention.warmed_up]
         if not pending or graph_capturing():
             return
-        k_cache, v_cache = kv_cache_slot_views(kv_cache, self.head_size)
+        k_cache, v_cache = kv_cache_page_views(kv_cache, self.head_size)
         start = time.perf_counter()
         for attention in pending:
             attention.warmup(query, k_cache, v_cache, out=output, sinks=self.sinks, index_dtypes=(VLLM_INDEX_DTYPE,))
@@ -628,4 +627,5 @@ class EvenKVImpl(AttentionImpl[EvenKVMetadata]):
 
 
 __all__ = ["EvenKVBackend", "EvenKVImpl", "EvenKVMetadata", "EvenKVMetadataBuilder", "LayerKind",
-           "kv_cache_slot_views", "spec_decode_q_len", "verify_q_len", "KERNEL_BLOCK_SIZES", "POLICY_ENV", "VLLM_INDEX_DTYPE"]
+           "kv_cache_page_views", "spec_decode_q_len", "verify_q_len", "KERNEL_BLOCK_SIZES", "KV_CACHE_STRIDE_ORDERS",
+           "POLICY_ENV", "VLLM_INDEX_DTYPE"]

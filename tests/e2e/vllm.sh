@@ -14,6 +14,7 @@
 #   v2      --compare, eager, with vLLM's default (V2) model runner
 #   window  --compare on the same Qwen3 with a 128-token sliding window on every layer
 #   fp8     --compare with --kv-cache-dtype fp8 (both backends read an e4m3 cache)
+#   hnd     --compare with VLLM_KV_CACHE_LAYOUT=HND (both backends on head-major pages), CUDA graphs
 #   gpt-oss --compare on a tiny random gpt-oss (64 q / 8 kv heads, D 64, sinks, alternating
 #           128-token window and full layers: two layer kinds in two KV-cache groups)
 #   invariance  tests/e2e/invariance.py with VLLM_BATCH_INVARIANT=1, CUDA graphs: one prompt alone, among
@@ -96,6 +97,7 @@ for s in ${@:-eager graphs pytest v2}; do
     v2) model && run_step v2 200 120 python3 "$EX" "$MODEL" --runner v2 --graphs 0 --compare ;;
     window) variant window && run_step window 200 120 python3 "$EX" "$MODEL-window" --graphs 1 --compare ;;
     fp8) model && run_step fp8 200 120 python3 "$EX" "$MODEL" --graphs 1 --compare --kv-cache-dtype fp8 ;;
+    hnd) model && run_step hnd 200 120 env VLLM_KV_CACHE_LAYOUT=HND python3 "$EX" "$MODEL" --graphs 1 --compare ;;
     gpt-oss) variant gpt-oss && run_step gpt-oss 240 120 python3 "$EX" "$MODEL-gpt-oss" --graphs 1 --compare ;;
     invariance) model && run_step invariance 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
       --engine vllm --backend evenkv ;;
@@ -107,7 +109,7 @@ for s in ${@:-eager graphs pytest v2}; do
       --baseline "$(baseline)" ;;
     openai) model && (serve_wheels && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" \
       --engine vllm --log "$L/openai-server.log") ;;
-    *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | gpt-oss | invariance |" \
+    *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | hnd | gpt-oss | invariance |" \
          "invariance-default | spec-ngram | openai)"; exit 2 ;;
   esac
 done

@@ -47,7 +47,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from evenkv.configs import is_interpreter  # noqa: E402
 from evenkv.integrations import vllm as plugin  # noqa: E402
 from evenkv.integrations.vllm_backend import (EvenKVBackend, EvenKVImpl, EvenKVMetadataBuilder,  # noqa: E402
-                                              LayerKind, kv_cache_slot_views, verify_q_len)
+                                              KV_CACHE_STRIDE_ORDERS, LayerKind, kv_cache_page_views,
+                                              verify_q_len)
 from evenkv.kernels.reference import extend_reference, kv_write_reference  # noqa: E402
 from helpers import TOLERANCE_FLOOR  # noqa: E402
 
@@ -209,15 +210,31 @@ def test_declared_capabilities():
     assert EvenKVBackend.get_supported_kernel_block_sizes(None) == [16, 32, 64, 128]  # 0.33 passes the spec
     assert EvenKVBackend.get_preferred_block_size(16) == 16
     assert EvenKVBackend.get_kv_cache_shape(10, 16, 2, 64) == (10, 2, 16, 128)
-    assert EvenKVBackend.get_kv_cache_stride_order() == (0, 2, 1, 3)
-    assert EvenKVBackend.get_required_kv_cache_layout() == "NHD"
+
+
+@pytest.mark.skipif(VLLM_VERSION >= (0, 33), reason="vLLM 0.33 resolves layouts itself (supported_kv_cache_layouts)")
+def test_kv_cache_stride_order_follows_vllm_layout_026(vllm_config):
+    """vLLM 0.26: the stride order is the layout vLLM resolved (the operator's
+    VLLM_KV_CACHE_LAYOUT, a connector's), per layer and for a cross-layer allocation."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import set_kv_cache_layout
+
+    want = {("NHD", False): (0, 2, 1, 3), ("HND", False): (0, 1, 2, 3), ("NHD", True): (1, 0, 3, 2, 4),
+            ("HND", True): (1, 2, 0, 3, 4)}
+    try:
+        for (layout, layers), order in want.items():
+            set_kv_cache_layout(layout)
+            assert EvenKVBackend.get_kv_cache_stride_order(include_num_layers_dimension=layers) == order
+    finally:
+        set_kv_cache_layout(None)
+    with set_current_vllm_config(vllm_config):  # no connector, no VLLM_KV_CACHE_LAYOUT: NHD
+        assert EvenKVBackend.get_kv_cache_stride_order() == (0, 2, 1, 3)
+    assert EvenKVBackend.get_required_kv_cache_layout() is None  # no override of the operator's layout
 
 
 @pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="KVCacheLayout exists from vLLM 0.33 on")
 def test_supported_kv_cache_layouts_033():
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    assert EvenKVBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
+    assert EvenKVBackend.supported_kv_cache_layouts() is None  # any layout
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -436,12 +453,20 @@ def test_builder_policy_knob(vllm_config, device, monkeypatch):
 # -- impl: KV write and forward on a mixed batch in vLLM's KV layout ------------------------
 
 
-def _vllm_kv_cache(num_blocks, dtype, device, hkv=HKV, d=D):
-    """Allocate as vLLM's runner does: physical = logical shape permuted by the stride order."""
+def _vllm_kv_cache(num_blocks, dtype, device, hkv=HKV, d=D, layout="NHD", layers=False):
+    """Allocate as vLLM 0.26's runner does: physical = logical shape permuted by the stride order
+    of ``layout``; with ``layers``, layer 1 of a 3-layer cross-layer allocation (every other
+    layer NaN, so a read of the wrong layer shows)."""
     shape = EvenKVBackend.get_kv_cache_shape(num_blocks, BLOCK, hkv, d)
-    order = EvenKVBackend.get_kv_cache_stride_order()
-    physical = torch.zeros(tuple(shape[i] for i in order), dtype=dtype, device=device)
-    return physical.permute(*[order.index(i) for i in range(len(order))])
+    if layers:
+        shape = (3, *shape)
+    order = KV_CACHE_STRIDE_ORDERS[layout][layers]
+    physical = torch.full(tuple(shape[i] for i in order), float("nan") if layers else 0, device=device).to(dtype)
+    logical = physical.permute(*[order.index(i) for i in range(len(order))])
+    if layers:
+        logical[1] = 0
+        return logical[1]
+    return logical
 
 
 class MixedBatch:
@@ -450,7 +475,7 @@ class MixedBatch:
     cache directly, new ones through the impl. heads: (Hq, Hkv, D)."""
 
     def __init__(self, q_lens, seq_lens, dtype, device, *, num_tokens=None, num_blocks=None, seed=0,
-                 num_reqs_padding=0, heads=(HQ, HKV, D)):
+                 num_reqs_padding=0, heads=(HQ, HKV, D), layout="NHD", layers=False):
         hq, hkv, d = heads
         gen = torch.Generator().manual_seed(seed)
         b = len(q_lens)
@@ -467,7 +492,8 @@ class MixedBatch:
         self.cam = _cam(q_lens, seq_lens, device, block_table=table, num_tokens=num_tokens,
                         num_reqs_padding=num_reqs_padding)
         t = self.cam.num_actual_tokens
-        self.kv_cache = _vllm_kv_cache(num_blocks, dtype, device, hkv, d)
+        self.layout = dict(layout=layout, layers=layers)
+        self.kv_cache = _vllm_kv_cache(num_blocks, dtype, device, hkv, d, **self.layout)
         self.ref_k = torch.zeros(num_blocks * BLOCK, hkv, d, dtype=dtype, device=device)
         self.ref_v = torch.zeros_like(self.ref_k)
         for r, (ql, sl) in enumerate(zip(q_lens, seq_lens)):  # cached prefix: positions < sl - ql
@@ -497,7 +523,7 @@ class MixedBatch:
         the reference caches become what the KV write will store."""
         fp8 = torch.float8_e4m3fn
         real = self.kv_cache
-        self.kv_cache = _vllm_kv_cache(real.shape[0], torch.uint8, real.device)
+        self.kv_cache = _vllm_kv_cache(real.shape[0], torch.uint8, real.device, **self.layout)
         stored = self.kv_cache.view(fp8)
         for half, scale in ((slice(0, D), k_scale), (slice(D, 2 * D), v_scale)):
             stored[..., half] = (real[..., half].float() / scale).clamp(-448, 448).to(fp8)
@@ -515,6 +541,15 @@ def _run_step(builder, impl, batch, layer=None, draft_index=None):
     output = torch.full_like(batch.query, 7.0)  # rows past the last query must keep this
     impl.forward(layer, batch.query, batch.key, batch.value, batch.kv_cache, md, output)
     return md, output
+
+
+def _assert_cache_holds(batch):
+    """The cache holds, at each (block, offset), what the test's own slot caches hold."""
+    for half, ref in zip(kv_cache_page_views(batch.kv_cache, D), (batch.ref_k, batch.ref_v)):
+        got = half.reshape(ref.shape)
+        if ref.dtype == torch.float8_e4m3fn:
+            got, ref = got.view(torch.uint8), ref.view(torch.uint8)
+        assert torch.equal(got, ref)
 
 
 def _assert_matches_reference(batch, output, sm_scale=None, **terms):
@@ -545,10 +580,33 @@ def test_forward_matches_reference(builder, device, kind):
     impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None)
     md, output = _run_step(builder, impl, batch)
     # The KV write put every new token where the test's own slot cache has it.
-    k_slots, v_slots = kv_cache_slot_views(batch.kv_cache, D)
-    assert torch.equal(k_slots, batch.ref_k) and torch.equal(v_slots, batch.ref_v)
+    _assert_cache_holds(batch)
     assert torch.all(batch.kv_cache[NULL_BLOCK] == 0), "a padding token (slot -1) was written"
     _assert_matches_reference(batch, output)
+
+
+@pytest.mark.parametrize("layout,layers,kv", [("HND", False, "bf16"), ("NHD", True, "bf16"), ("HND", True, "bf16"),
+                                             ("HND", False, "fp8")],
+                         ids=["hnd", "nhd-cross-layer", "hnd-cross-layer", "hnd-fp8"])
+def test_forward_in_every_kv_layout(builder, vllm_config, device, monkeypatch, layout, layers, kv):
+    """The KV write and a mixed step's forward over vLLM's HND cache and a KV connector's
+    cross-layer allocations: the same tokens land in the same (block, offset), the rows match
+    the reference (the FP8 step as ``test_fp8_kv_cache``)."""
+    dtype, layer, scales = torch.bfloat16, None, {}
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None)
+    if kv == "fp8":
+        monkeypatch.setenv("EVENKV_PREFILL", "triton")
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.uint8)
+        builder = EvenKVMetadataBuilder(spec, ["l0"], vllm_config, device)
+        dtype, layer = torch.float16, SimpleNamespace(_k_scale_float=0.25, _v_scale_float=0.5)
+        impl, scales = EvenKVImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="fp8"), dict(k_scale=0.25, v_scale=0.5)
+    batch = MixedBatch(*MIXED["mixed"][:2], dtype, device, num_tokens=MIXED["mixed"][2], seed=3, layout=layout,
+                       layers=layers)
+    if kv == "fp8":
+        batch.to_fp8(0.25, 0.5)
+    _, output = _run_step(builder, impl, batch, layer)
+    _assert_cache_holds(batch)
+    _assert_matches_reference(batch, output, **scales)
 
 
 def test_forward_reuses_plan_across_layers_and_rejects_stale_metadata(builder, device):
@@ -619,18 +677,22 @@ def test_fp8_kv_cache(vllm_config, device, monkeypatch):
     batch.to_fp8(0.25, 0.5)
     impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="fp8")
     _, output = _run_step(builder, impl, batch, layer)
-    k_slots, v_slots = kv_cache_slot_views(batch.kv_cache, D)
-    assert torch.equal(k_slots.view(torch.uint8), batch.ref_k.view(torch.uint8))
-    assert torch.equal(v_slots.view(torch.uint8), batch.ref_v.view(torch.uint8))
+    _assert_cache_holds(batch)
     _assert_matches_reference(batch, output, k_scale=0.25, v_scale=0.5)
 
 
-def test_slot_views_refuse_hnd_layout(device):
-    hnd = torch.zeros(4, HKV, BLOCK, 2 * D, device=device)  # blocks, heads, block_size, 2D contiguous = HND
-    with pytest.raises(ValueError, match="NHD"):
-        kv_cache_slot_views(hnd, D)
-    k, v = kv_cache_slot_views(_vllm_kv_cache(4, torch.float16, device), D)
-    assert k.shape == (4 * BLOCK, HKV, D) and v.shape == (4 * BLOCK, HKV, D)
+def test_page_views(device):
+    """vLLM's [blocks, Hkv, block_size, 2D] cache in any layout -> [blocks, block_size, Hkv, D]
+    K and V views of its memory, without a copy; a cache of another shape is refused."""
+    for layout in ("NHD", "HND"):
+        cache = _vllm_kv_cache(4, torch.float16, device, layout=layout)
+        k, v = kv_cache_page_views(cache, D)
+        assert k.shape == v.shape == (4, BLOCK, HKV, D) and k.stride() == v.stride()
+        k[1, 3, 0, 5] = 1.0
+        v[2, 0, 1, 7] = 2.0
+        assert cache[1, 0, 3, 5] == 1.0 and cache[2, 1, 0, D + 7] == 2.0
+    with pytest.raises(ValueError, match=rf"kv_cache: expected \[num_blocks, Hkv, block_size, 2\*{D}\]"):
+        kv_cache_page_views(torch.zeros(4, HKV, BLOCK, D, device=device), D)
 
 
 # -- speculative decoding: verify rows are decode rows --------------------------------------
