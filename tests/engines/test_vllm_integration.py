@@ -456,7 +456,17 @@ def test_builder_policy_knob(vllm_config, device, monkeypatch):
 def _vllm_kv_cache(num_blocks, dtype, device, hkv=HKV, d=D, layout="NHD", layers=False):
     """Allocate as vLLM 0.26's runner does: physical = logical shape permuted by the stride order
     of ``layout``; with ``layers``, layer 1 of a 3-layer cross-layer allocation (every other
-    layer NaN, so a read of the wrong layer shows)."""
+    layer NaN, so a read of the wrong layer shows). A vLLM 0.33 ``KVCacheLayout`` as ``layout``:
+    layer 1 of a 3-layer buffer laid out as vLLM 0.33 lays it out (``compute_layout_strides``),
+    the other layers' bytes 0xFF (NaN in bf16 and in e4m3)."""
+    if not isinstance(layout, str):
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
+
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hkv, head_size=d, dtype=dtype)
+        shape = (3, *compute_layer_kv_cache_shape_bytes(spec, num_blocks))
+        raw = torch.full((int(np.prod(shape)),), 0xFF, dtype=torch.uint8, device=device)
+        layer = torch.as_strided(raw, shape, compute_layout_strides(spec, num_blocks, 3, layout))[1].view(dtype)
+        return layer.zero_()
     shape = EvenKVBackend.get_kv_cache_shape(num_blocks, BLOCK, hkv, d)
     if layers:
         shape = (3, *shape)
@@ -607,6 +617,21 @@ def test_forward_in_every_kv_layout(builder, vllm_config, device, monkeypatch, l
     _, output = _run_step(builder, impl, batch, layer)
     _assert_cache_holds(batch)
     _assert_matches_reference(batch, output, **scales)
+
+
+@pytest.mark.skipif(VLLM_VERSION < (0, 33), reason="KVCacheLayout exists from vLLM 0.33 on")
+def test_forward_in_every_kv_cache_layout_033(builder, device):
+    """vLLM 0.33 lays each layer's cache out in one of its KVCacheLayouts (evenkv takes any): the
+    KV write and a mixed step's forward match the reference in every one."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    impl = EvenKVImpl(HQ, D, D ** -0.5, HKV, None, None, "auto", None, "decoder", None)
+    for layout in KVCacheLayout:
+        batch = MixedBatch(*MIXED["mixed"][:2], torch.bfloat16, device, num_tokens=MIXED["mixed"][2], seed=4,
+                           layout=layout)
+        _, output = _run_step(builder, impl, batch)
+        _assert_cache_holds(batch)
+        _assert_matches_reference(batch, output)
 
 
 def test_forward_reuses_plan_across_layers_and_rejects_stale_metadata(builder, device):
