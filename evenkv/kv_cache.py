@@ -16,8 +16,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     """Scatter new tokens into the paged cache, in place.
 
     k_cache, v_cache: [num_pages, page_size, Hkv, D] (slot = page x page_size + offset) or
-    [num_slots, Hkv, D], any strides but a unit stride in D (NHD or HND pages alike);
-    float16/bfloat16 or float8_e4m3fn. k_new, v_new: [N, Hkv, D]
+    [num_slots, Hkv, D], any strides but a unit stride in D (NHD or HND pages alike) that do
+    not alias one element to another; float16/bfloat16 or float8_e4m3fn. k_new, v_new: [N, Hkv, D]
     (float16/bfloat16/float32, cast to the cache's; an FP8 cache stores new / k_scale and
     new / v_scale, saturated to +-448 and rounded to nearest even). slot_mapping: [N]
     int32/int64, slot of each token, negative = skip (padding). A slot >= num_slots (num_pages x
