@@ -215,9 +215,10 @@ def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     offset x offset stride + head x head stride."""
     if cache.dim() == 4:
         return cache
-    slot_stride, head_stride, d_stride = cache.stride()
-    return cache.as_strided((cache.shape[0] // page_size, page_size, cache.shape[1], cache.shape[2]),
-                            (slot_stride * page_size, slot_stride, head_stride, d_stride), cache.storage_offset())
+    num_pages = cache.shape[0] // page_size
+    if num_pages * page_size != cache.shape[0]:
+        cache = cache[:num_pages * page_size]
+    return cache.view(num_pages, page_size, cache.shape[1], cache.shape[2])
 
 
 def check_distinct_elements(name: str, cache: torch.Tensor) -> None:

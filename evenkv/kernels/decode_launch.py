@@ -129,7 +129,8 @@ def _strides(q, k_cache, v_cache, out, page_table):
 def page_gap(k_cache, v_cache) -> bool:
     """Whether a cache's pages are not page_size offsets apart (HND pages, the pages of a
     cross-layer allocation): the decode kernels' PAGE_GAP."""
-    return any(c.stride(0) != c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
+    k_strides, v_strides = k_cache.stride(), v_cache.stride()
+    return k_strides[0] != k_cache.shape[1] * k_strides[1] or v_strides[0] != v_cache.shape[1] * v_strides[1]
 
 
 @dataclass(frozen=True)
