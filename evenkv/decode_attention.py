@@ -318,9 +318,10 @@ class DecodeAttention:
         return next(bucket for bucket in self._variants if bucket >= q_len)
 
     def _dummy_inputs(self) -> dict:
-        """Tensors shaped like a one-request batch (q [1, Hq, D], caches of one page)."""
+        """Tensors shaped like a one-request batch: q [1, Hq, D], caches of one token-major page
+        [1, page_size, Hkv, D] as the launchers take them (``checks.as_pages``)."""
         dev, d = self.device, self.head_dim
-        cache = torch.zeros(self.page_size, self.num_kv_heads, d, dtype=self.kv_dtype, device=dev)
+        cache = torch.zeros(1, self.page_size, self.num_kv_heads, d, dtype=self.kv_dtype, device=dev)
         q = torch.zeros(1, self.num_q_heads, d, dtype=self.dtype, device=dev)
         return dict(q=q, k_cache=cache, v_cache=cache, out=torch.empty_like(q),
                     page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev))

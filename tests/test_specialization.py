@@ -268,3 +268,28 @@ def test_named_q_lens_cover_every_plannable_row(device, recorder):
     tree = torch.tensor([1, 3, 7, 15] * 4, dtype=torch.int32, device=device)
     attn.run(attn.plan(seq_lens, table, cu_seqlens_q=cu, q_len=4, tree_mask=tree), q[:16], k_cache, v_cache)
     _assert_covered(recorder)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_grid_probes_before_warmup_build_the_kernels_runs_launch(device, recorder, monkeypatch, kv_dtype):
+    """On the GPU the first plan of an object that was not warmed up builds each variant's decode
+    kernel on one-page stand-in tensors, through the real launchers, to size its grid. Those
+    builds must go through the launchers' host code (a cache of one page as [1, page_size, Hkv,
+    D]) and be the very kernels a token-major cache's runs launch: nothing compiles twice."""
+    from evenkv.kernels import decode_launch
+
+    monkeypatch.setattr(decode_launch, "resident_ctas_per_sm", lambda kernel, dev: 2)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, torch.bfloat16, device, 8, 8, kv_dtype=kv_dtype)
+    attn._grids_resolved = False
+    table = torch.zeros(2, 8, dtype=torch.int32, device=device)
+    plan = attn.plan(torch.ones(2, dtype=torch.int32, device=device), table)
+    probes = set(recorder.compiled)
+    assert {key[0] for key in probes} == {"decode_stream_kernel"}, sorted(probes)
+    assert attn._grids == [attn.num_sms * 2] * len(attn._probes)
+    recorder.compiled.clear()
+    k_cache = torch.zeros(64 * 16, HKV, D, dtype=torch.bfloat16, device=device).to(kv_dtype)
+    q = torch.zeros(2, HQ, D, dtype=torch.bfloat16, device=device)
+    attn.warmup(q, k_cache, k_cache.clone())
+    attn.run(plan, q, k_cache, k_cache.clone())
+    assert probes <= recorder.compiled, "the grid probes built kernels warm-up does not"
+    _assert_covered(recorder)
