@@ -54,8 +54,11 @@ def no_tf32():
 
 @pytest.fixture
 def recorder(monkeypatch):
-    """Records every launch's specialization key instead of launching (``helpers.Recorder``)."""
+    """Records every launch's specialization key instead of launching (``helpers.Recorder``).
+    Nothing is built, so on a GPU a grid cannot come from a built kernel's occupancy: one CTA
+    per SM stands in for it."""
     rec = Recorder()
+    monkeypatch.setattr(decode_launch, "resident_ctas_per_sm", lambda kernel, device: 1)
     monkeypatch.setattr(decode_launch, "launch_or_compile", rec)
     monkeypatch.setattr(extend_launch, "launch_or_compile", rec)
     monkeypatch.setattr(plan_launch, "launch_or_compile", rec)

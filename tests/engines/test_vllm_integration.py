@@ -165,8 +165,11 @@ def test_validate_configuration_refuses_with_reason(overrides, needle):
 
 def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, monkeypatch, caplog):
     """vLLM's batch-invariant mode is accepted (the backend declares it) and makes the
-    builder's Attention deterministic: batch-invariant decode, prefill on the Triton kernel;
-    the start-up line says both."""
+    builder's Attention deterministic: batch-invariant decode, prefill on vLLM's FA3 with one KV
+    split where it imports (a GPU with the FA3 build), else on evenkv's Triton extend kernel; the
+    start-up line says both."""
+    from evenkv.integrations.prefill import vllm_flash_attention
+
     import vllm.envs
 
     assert EvenKVBackend.supports_batch_invariance()
@@ -181,9 +184,14 @@ def test_batch_invariant_mode_selects_deterministic_decode(vllm_config, device, 
     finally:
         start_up.removeHandler(caplog.handler)
     assert attention_of(builder).deterministic and attention_of(builder).decode.deterministic
-    assert attention_of(builder).prefill_kernel is None
     assert "decode on evenkv's kernels (balanced: the balanced plan; deterministic:" in caplog.text
-    assert "prefill and extend rows run on evenkv's Triton extend kernel" in caplog.text
+    engine_fa = vllm_flash_attention(device)
+    if engine_fa is None:
+        assert attention_of(builder).prefill_kernel is None
+        assert "prefill and extend rows run on evenkv's Triton extend kernel" in caplog.text
+    else:
+        assert attention_of(builder).prefill_kernel.num_splits == 1
+        assert "one KV split) (the engine's prefill kernel, batch and chunking invariant" in caplog.text
 
 
 def test_validate_configuration_returns_every_reason():
@@ -403,7 +411,10 @@ def test_builder_splits_decodes_and_prefills(builder, device, q_lens, seq_lens, 
     (_, plan), = md.plans.values()
     assert plan.batch_size == cam.num_reqs and plan.num_decodes == expect[0]
     if expect[1] == 0:
-        assert plan.extend is None
+        assert plan.extend is None and plan.delegated is None
+    elif plan.delegated is not None:  # vLLM's FA3 imports (a GPU): the prefill rows are its
+        assert plan.extend is None and plan.delegated.first_row == expect[2]
+        assert plan.delegated.max_q_len >= max(q_lens)
     else:
         assert plan.extend.req_begin == expect[0] and plan.extend.max_q_len >= max(q_lens)
     # The decode plan reads vLLM's (persistent) block table in place, not a copy.

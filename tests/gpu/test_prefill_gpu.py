@@ -49,6 +49,37 @@ def test_engine_prefill_matches_triton_and_reference(fa, page_size, num_decodes)
     evenkv.check_errors()
 
 
+@pytest.mark.parametrize("terms", [dict(sliding_window=8), dict(sliding_window=300, sinks=True),
+                                   dict(logit_cap=2.0, sinks=True), dict(sliding_window=64, logit_cap=5.0, sinks=True)],
+                         ids=["window8", "window300-sinks", "softcap-sinks", "window64-softcap-sinks"])
+def test_engine_prefill_with_layer_terms(fa, terms):
+    """A layer's window, soft-cap and sinks reach the engine's FA3 as the reference defines them
+    (window W: keys [p - W + 1, p]; sinks: natural-log logits added to each row's denominator),
+    extend rows against the fp32 reference and evenkv's Triton extend, decode rows of the same
+    batch on evenkv's kernels, vLLM's page size."""
+    evenkv.errors.error_flag("cuda").zero_()
+    hq, hkv, d, ps, dtype, nd = 32, 4, 128, 16, torch.bfloat16, 6
+    q_lens, prefixes = [1] * nd + [700, 33, 1, 260], [900, 5, 300, 2000, 64, 40] + [1200, 0, 500, 9]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=13)
+    sinks = torch.linspace(-2.0, 3.0, hq, device="cuda") if terms.get("sinks") else None
+    layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))
+    outs = {}
+    for name, kernel in (("fa3", fa), ("triton", None)):
+        attn = evenkv.Attention(hq, hkv, d, ps, dtype, "cuda", 64, batch["page_table"].shape[1], prefill_kernel=kernel,
+                                **layer)
+        assert (attn.prefill_kernel is None) == (kernel is None), attn.prefill_reason
+        plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=nd, max_q_len=700,
+                         max_seq_len=2001)
+        outs[name] = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"], sinks=sinks)
+    ref, lowp = reference_pair(batch, ps, sinks=sinks, max_scores=1 << 28, **layer)
+    for name, out in outs.items():
+        try:
+            assert_tolerance(out, ref, lowp, dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
+    evenkv.check_errors()
+
+
 # FA3's 8-bit path rounds P to e4m3 in its PV dot: 2.7-3.0 % of the largest output's magnitude
 # in docs/tuning.md's emulation ("What 8-bit dots cost in accuracy", random normal K and V).
 FP8_P_ERROR = 0.05
