@@ -52,10 +52,12 @@ class PrefillKernel(Protocol):
     """
 
     name: str
-    supports_sinks: bool
     # The q / out dtypes with which it also reads an FP8 (e4m3) cache, q cast to e4m3 as the
     # engine's default backend does: FA3's 8-bit path writes bf16 only; FA2 has none, ().
     fp8_cache_dtypes: tuple
+
+    def takes_sinks(self, num_q_heads: int) -> bool:
+        """Whether it runs a layer of ``num_q_heads`` query heads with attention sinks."""
 
     def invariant(self) -> "PrefillKernel | None":
         """The same kernel in a form whose result for a query row depends on its own request's

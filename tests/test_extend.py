@@ -673,14 +673,15 @@ def test_gpu_mixed_batch_and_graph(no_tf32):
 class ReferencePrefill:
     """A PrefillKernel made of the fp32 reference: records each call's arguments."""
 
-    supports_sinks = True
-
     def __init__(self, invariant: bool | None = None, fp8_cache_dtypes: tuple = ()):
         """invariant: None, a kernel with no invariant form; False, one that has one; True, that form."""
         self.calls = []
         self.has_invariant, self.is_invariant = invariant is not None, bool(invariant)
         self.fp8_cache_dtypes = fp8_cache_dtypes
         self.name = "invariant reference prefill" if self.is_invariant else "reference prefill"
+
+    def takes_sinks(self, num_q_heads):
+        return True
 
     def invariant(self):
         return ReferencePrefill(invariant=True, fp8_cache_dtypes=self.fp8_cache_dtypes) if self.has_invariant else None

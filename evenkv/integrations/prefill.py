@@ -20,6 +20,9 @@ logger = logging.getLogger("evenkv")
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 # FA3's 8-bit path writes its output in bf16 only.
 FA3_FP8_DTYPES = (torch.bfloat16,)
+# vLLM's FA3 runs attention sinks (s_aux) for at most this many query heads; a layer with more
+# runs its extend rows on evenkv's Triton kernel.
+FA3_MAX_SINK_HEADS = 64
 
 
 def fp8_operands(q: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float, rows: int) -> tuple:
@@ -49,8 +52,11 @@ class VllmFlashAttention:
     def __init__(self, varlen, fa_version: int, num_splits: int = 0):
         self.varlen, self.fa_version, self.num_splits = varlen, fa_version, num_splits
         self.name = f"FA{fa_version} (vllm.vllm_flash_attn{', one KV split' if num_splits == 1 else ''})"
-        self.supports_sinks = fa_version >= 3  # FA2 has no sink term
         self.fp8_cache_dtypes = FA3_FP8_DTYPES if fa_version >= 3 else ()  # FA2 has no FP8 path
+
+    def takes_sinks(self, num_q_heads: int) -> bool:
+        """FA3 takes sinks (``s_aux``) for up to 64 query heads; FA2 has no sink term."""
+        return self.fa_version >= 3 and num_q_heads <= FA3_MAX_SINK_HEADS
 
     def invariant(self) -> "VllmFlashAttention | None":
         """This kernel made batch and chunking invariant (FA3 with one KV split), or None (FA2:
@@ -60,6 +66,9 @@ class VllmFlashAttention:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
         q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
+        # FA3 reads s_aux as bf16 only (and refuses another dtype): a model's bf16 sinks pass as
+        # they are, as vLLM's FLASH_ATTN passes them; float32 or fp16 sinks are rounded to bf16.
+        sinks = None if sinks is None else sinks.to(torch.bfloat16)
         self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
                     seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
                     window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=sinks,
@@ -95,12 +104,14 @@ class SGLangFlashAttention:
     """SGLang's own FA3 (``flash_attn_with_kvcache``, what its ``fa3`` backend runs on Hopper) as
     evenkv's prefill kernel (``evenkv.attention.PrefillKernel``)."""
 
-    supports_sinks = True
     fp8_cache_dtypes = FA3_FP8_DTYPES
 
     def __init__(self, with_kvcache, num_splits: int = 0):
         self.with_kvcache, self.num_splits = with_kvcache, num_splits
         self.name = f"FA3 (SGLang's flash_attn_with_kvcache{', one KV split' if num_splits == 1 else ''})"
+
+    def takes_sinks(self, num_q_heads: int) -> bool:
+        return True
 
     def invariant(self) -> "SGLangFlashAttention":
         """This kernel made batch and chunking invariant: FA3 with one KV split."""

@@ -373,7 +373,8 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
                 max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
                 policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
                 kv_dtype=torch.float8_e4m3fn if fp8 else None,
-                prefill_kernel=prefill if prefill is not None and (prefill.supports_sinks or not kind.sinks) else None,
+                prefill_kernel=prefill if prefill is not None and (not kind.sinks or prefill.takes_sinks(num_q_heads))
+                else None,
                 deterministic=True if vllm_batch_invariant() else None,
                 max_total_tokens=kv_pool_tokens(vllm_config), max_decode_q_len=self.reorder_batch_threshold)
             self.attentions[kind] = attention

@@ -1022,8 +1022,10 @@ class _EnginePrefill:
     the engine's, and evenkv compiles no extend kernel."""
 
     name = "FA3 (stand-in)"
-    supports_sinks = True
     fp8_cache_dtypes = ()
+
+    def takes_sinks(self, num_q_heads):
+        return True
 
     def __call__(self, q, k_cache, v_cache, out, **kwargs):
         pass
@@ -1281,7 +1283,16 @@ def test_flash_attention_prefill_choice(monkeypatch):
     kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
     assert calls[0]["seqused_k"] is lens and calls[0]["block_table"] is pt and calls[0]["causal"]
     assert (calls[0]["max_seqlen_q"], calls[0]["max_seqlen_k"], calls[0]["fa_version"]) == (5, 9, 3)
-    assert calls[0]["k_descale"] is None and calls[0]["q"] is q
+    assert calls[0]["k_descale"] is None and calls[0]["q"] is q and calls[0]["s_aux"] is None
+    # FA3 reads sinks (s_aux) as bf16 only, for up to 64 query heads.
+    sinks = torch.tensor([0.1, -1.0, 2.5, 3.3])
+    kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
+           sinks=sinks)
+    assert calls[-1]["s_aux"].dtype == torch.bfloat16 and torch.equal(calls[-1]["s_aux"], sinks.bfloat16())
+    kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
+           sinks=sinks.bfloat16())
+    assert calls[-1]["s_aux"].dtype == torch.bfloat16
+    assert kernel.takes_sinks(64) and not kernel.takes_sinks(65)
     assert kernel.fp8_cache_dtypes == kernel.invariant().fp8_cache_dtypes == (torch.bfloat16,)  # as FLASH_ATTN
     k8 = torch.zeros(2, 16, 2, 64, dtype=torch.float8_e4m3fn)
     q[0, 0, 0] = 1000.0  # past e4m3's largest value: saturates
@@ -1293,7 +1304,7 @@ def test_flash_attention_prefill_choice(monkeypatch):
     assert call["k_descale"].eq(0.05).all() and call["v_descale"].eq(0.25).all()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     fa2 = prefill.vllm_flash_attention(gpu)
-    assert fa2.fa_version == 2 and fa2.fp8_cache_dtypes == ()
+    assert fa2.fa_version == 2 and fa2.fp8_cache_dtypes == () and not fa2.takes_sinks(8)
     assert prefill.vllm_flash_attention(torch.device("cpu")) is None
     fake.is_fa_version_supported = lambda version: False
     assert prefill.vllm_flash_attention(gpu) is None

@@ -61,7 +61,8 @@ def test_engine_prefill_with_layer_terms(fa, terms):
     hq, hkv, d, ps, dtype, nd = 32, 4, 128, 16, torch.bfloat16, 6
     q_lens, prefixes = [1] * nd + [700, 33, 1, 260], [900, 5, 300, 2000, 64, 40] + [1200, 0, 500, 9]
     batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=13)
-    sinks = torch.linspace(-2.0, 3.0, hq, device="cuda") if terms.get("sinks") else None
+    # Sink logits exact in bf16, the dtype FA3 reads them in (VllmFlashAttention rounds others).
+    sinks = torch.linspace(-2.0, 3.0, hq, device="cuda").bfloat16().float() if terms.get("sinks") else None
     layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))
     outs = {}
     for name, kernel in (("fa3", fa), ("triton", None)):
