@@ -111,6 +111,7 @@ class SGLangFlashAttention:
         self.name = f"FA3 (SGLang's flash_attn_with_kvcache{', one KV split' if num_splits == 1 else ''})"
 
     def takes_sinks(self, num_q_heads: int) -> bool:
+        """As SGLang's ``fa3`` backend, which hands it every layer with sinks."""
         return True
 
     def invariant(self) -> "SGLangFlashAttention":
@@ -120,6 +121,8 @@ class SGLangFlashAttention:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
         q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
+        # In bf16, the dtype SGLang's models hold sinks in for its fa3 backend (gpt-oss's choice).
+        sinks = None if sinks is None else sinks.to(torch.bfloat16)
         self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
                           window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out,

@@ -1314,8 +1314,12 @@ def test_flash_attention_prefill_choice(monkeypatch):
     kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1)
     assert calls[0]["cache_seqlens"] is lens and calls[0]["page_table"] is pt and calls[0]["out"] is q
     assert calls[0]["causal"] and calls[0]["max_seqlen_q"] == 5
-    assert calls[0]["k_descale"] is None and calls[0]["q"] is q
+    assert calls[0]["k_descale"] is None and calls[0]["q"] is q and calls[0]["sinks"] is None
     assert kernel.fp8_cache_dtypes == kernel.invariant().fp8_cache_dtypes == (torch.bfloat16,)  # as fa3 does
+    sinks = torch.tensor([0.1, -1.0, 2.5, 3.3])
+    kernel(q, q, q, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
+           sinks=sinks)
+    assert torch.equal(calls[-1]["sinks"], sinks.bfloat16()) and kernel.takes_sinks(128)
     k8 = torch.zeros(9, 1, 2, 64, dtype=torch.float8_e4m3fn)
     kernel(q, k8, k8, q, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, max_q_len=5, max_seq_len=9, sm_scale=0.1,
            k_scale=0.5, v_scale=2.0)
