@@ -10,9 +10,11 @@ difference from the first candidate's output at that point. Usage:
                                      [--kv-dtype fp8] [--q-len 8] [--deterministic]
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
-byte per element. ``--cache-layout head-major`` stores each page head-major (HND: ``[pages,
-Hkv, page, D]``, vLLM's ``VLLM_KV_CACHE_LAYOUT=HND``), so a page of one head is contiguous;
-the default is token-major (NHD: ``[pages, page, Hkv, D]``).
+byte per element. ``--cache-layout`` picks how K and V lie in memory: ``token-major`` (the
+default; NHD: K and V each ``[pages, page, Hkv, D]``, as SGLang's pools), ``head-major`` (HND:
+each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd`` and
+``vllm-hnd`` (vLLM's caches: one ``[pages, page, Hkv, 2 * D]`` buffer, or ``[pages, Hkv, page,
+2 * D]`` with ``VLLM_KV_CACHE_LAYOUT=HND``, whose last dim holds K then V).
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
 then verify rows); ``--deterministic`` the batch-invariant mode.
 """
@@ -60,12 +62,26 @@ def make_batch(total, batch, dist, page, num_pages, shape, q_len=1):
     return q, seq_lens, pt
 
 
-def random_cache(num_pages, page, hkv, d, layout, device="cuda"):
-    """A random bf16 cache as [num_pages, page, Hkv, D] pages, stored token-major (NHD,
-    contiguous) or head-major (HND: a contiguous [num_pages, Hkv, page, D], transposed)."""
-    if layout == "token-major":
-        return torch.randn(num_pages, page, hkv, d, device=device, dtype=torch.bfloat16)
-    return torch.randn(num_pages, hkv, page, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+CACHE_LAYOUTS = ("token-major", "head-major", "vllm-nhd", "vllm-hnd")
+
+
+def random_caches(num_pages, page, hkv, d, layout, fp8, device="cuda"):
+    """Random K and V caches as [num_pages, page, Hkv, D] views in ``layout`` (CACHE_LAYOUTS,
+    see the module docstring): bf16 values, or with ``fp8`` those values / 0.05 in e4m3 (the
+    0.05 is their k_scale and v_scale). Returns (k, v, scales: the run's scale keywords)."""
+    def stored(shape, head_major):
+        x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+        x = (x / 0.05).to(torch.float8_e4m3fn) if fp8 else x
+        return x.transpose(1, 2) if head_major else x
+
+    head_major = layout in ("head-major", "vllm-hnd")
+    shape = (num_pages, hkv, page) if head_major else (num_pages, page, hkv)
+    if layout.startswith("vllm"):
+        kv = stored((*shape, 2 * d), head_major)
+        k, v = kv[..., :d], kv[..., d:]
+    else:
+        k, v = stored((*shape, d), head_major), stored((*shape, d), head_major)
+    return k, v, (dict(k_scale=0.05, v_scale=0.05) if fp8 else {})
 
 
 def write_csv(path, rows):
@@ -114,7 +130,7 @@ def main():
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
-    ap.add_argument("--cache-layout", choices=("token-major", "head-major"), default="token-major")
+    ap.add_argument("--cache-layout", choices=CACHE_LAYOUTS, default="token-major")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
@@ -129,12 +145,7 @@ def main():
     total, page, shape = args.tokens, args.page, SHAPES[args.shape]
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     pages_needed = total // page + 4096
-    k = random_cache(pages_needed, page, hkv, d, args.cache_layout)
-    v = random_cache(pages_needed, page, hkv, d, args.cache_layout)
-    scales = {}
-    if args.kv_dtype == "fp8":
-        k, v = (k / 0.05).to(torch.float8_e4m3fn), (v / 0.05).to(torch.float8_e4m3fn)
-        scales = dict(k_scale=0.05, v_scale=0.05)
+    k, v, scales = random_caches(pages_needed, page, hkv, d, args.cache_layout, args.kv_dtype == "fp8")
     q_len = args.q_len
     if args.configs == "tables":
         configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None,

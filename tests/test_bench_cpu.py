@@ -1079,25 +1079,29 @@ def test_tune_decode_tables_time_fp8_rows_beside_the_bf16_rows():
     assert not any(name.startswith("sm80") for name in verify)
 
 
-def test_tune_decode_head_major_cache_decodes_like_the_token_major_one():
-    """--cache-layout head-major: pages stored HND ([pages, Hkv, page, D] viewed as [pages, page,
-    Hkv, D], vLLM's VLLM_KV_CACHE_LAYOUT=HND); decode over it, FP8 included (read as int16
-    pairs), gives the same bits as over the same values stored token-major."""
+@pytest.mark.parametrize("layout", ["head-major", "vllm-nhd", "vllm-hnd"])
+def test_tune_decode_cache_layouts_decode_like_the_token_major_one(layout):
+    """--cache-layout: pages stored HND ([pages, Hkv, page, D] viewed as [pages, page, Hkv, D]) or
+    as vLLM's one K|V buffer (NHD or HND, K and V the halves of its last dim); decode over each,
+    FP8 included (read as int16 pairs), gives the same bits as over the same values stored
+    token-major."""
     from benchmarks import tune_decode
-    hq, hkv, d, page, fp8 = 8, 2, 64, 16, torch.float8_e4m3fn
-    torch.manual_seed(0)
-    k_hm = tune_decode.random_cache(8, page, hkv, d, "head-major", "cpu")
-    assert k_hm.shape == (8, page, hkv, d) and k_hm.stride() == (hkv * page * d, d, page * d, 1)
-    assert tune_decode.random_cache(8, page, hkv, d, "token-major", "cpu").is_contiguous()
-    v_hm = tune_decode.random_cache(8, page, hkv, d, "head-major", "cpu")
+    hq, hkv, d, page, pages = 8, 2, 64, 16, 8
+    expected_strides = {"head-major": (hkv * page * d, d, page * d, 1),
+                        "vllm-nhd": (page * hkv * 2 * d, hkv * 2 * d, 2 * d, 1),
+                        "vllm-hnd": (hkv * page * 2 * d, 2 * d, page * 2 * d, 1)}[layout]
     q = torch.randn(2, hq, d, dtype=torch.bfloat16)
     seq_lens = torch.tensor([70, 33], dtype=torch.int32)
     pt = torch.tensor([[5, 0, 7, 2, 6], [3, 1, 4, 0, 0]], dtype=torch.int32)
-    for kv_dtype in (torch.bfloat16, fp8):
-        k, v = (k_hm, v_hm) if kv_dtype == torch.bfloat16 else ((k_hm / 0.05).to(fp8), (v_hm / 0.05).to(fp8))
-        assert k.stride() == k_hm.stride()
-        scales = {} if kv_dtype == torch.bfloat16 else dict(k_scale=0.05, v_scale=0.05)
-        attn = evenkv.DecodeAttention(hq, hkv, d, page, torch.bfloat16, "cpu", 2, pt.shape[1], kv_dtype=kv_dtype)
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        k, v, scales = tune_decode.random_caches(pages, page, hkv, d, layout, fp8, "cpu")
+        assert k.shape == v.shape == (pages, page, hkv, d)
+        assert k.stride() == v.stride() == expected_strides
+        assert k.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        if layout.startswith("vllm"):
+            assert v.data_ptr() == k.data_ptr() + d * k.element_size()
+        attn = evenkv.DecodeAttention(hq, hkv, d, page, torch.bfloat16, "cpu", 2, pt.shape[1], kv_dtype=k.dtype)
         plan = attn.plan(seq_lens, pt)
         out = attn.run(plan, q, k, v, **scales).clone()
         assert torch.equal(out, attn.run(plan, q, k.contiguous(), v.contiguous(), **scales))
