@@ -10,6 +10,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from benchmarks import serving
 from benchmarks.serving import RequestTiming, Workload
@@ -382,6 +383,85 @@ def test_vllm_arguments_per_mode(tmp_path):
     assert serving.mode_env("vllm", "default") == {} and serving.mode_env("sglang", "batch-invariant") == {}
     assert spec.spec_label("vllm") == "ngram:k=3,n=2-4" and spec.spec_label("sglang") == "NGRAM:draft=4,breadth=1"
     assert default.spec_label("vllm") == ""
+
+
+def _kv_write_case(cache_dtype, layout="NHD"):
+    torch.manual_seed(0)
+    blocks, block_size, hkv, d, n = 4, 16, 2, 8, 5
+    key, value = (torch.randn(n, hkv, d, dtype=torch.bfloat16) * 4 for _ in range(2))
+    key[1, 0, 0] = 1e4  # beyond e4m3's range once divided by the scale
+    shape = (blocks, hkv, block_size, d) if layout == "HND" else (blocks, block_size, hkv, d)
+    caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2)]
+    if layout == "HND":
+        caches = [c.transpose(1, 2) for c in caches]
+    slots = torch.tensor([17, 3, -1, 63, 40, 5, 6])  # longer than the tokens, as vLLM pads it
+    return key, value, caches, slots
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_kit_kv_write_stores_e4m3_as_vllm_does(cache_dtype, layout):
+    """The serving benchmark's FP8 KV write for vLLM's own backends on the kit's stand-ins:
+    value / scale, saturated to +-448, rounded to e4m3; a slot of -1 goes to slot 0."""
+    from benchmarks.kit_stand_ins import write_kv_cache
+
+    key, value, (k_cache, v_cache), slots = _kv_write_case(cache_dtype, layout)
+    k_scale, v_scale = torch.tensor([0.5]), torch.tensor([2.0])
+    write_kv_cache(key, value, k_cache, v_cache, slots, "fp8", k_scale, v_scale)
+    k8, v8 = (c.view(torch.float8_e4m3fn).float() for c in (k_cache, v_cache))
+    for i, slot in enumerate([17, 3, 0, 63, 40]):
+        want_k = (key[i].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        want_v = (value[i].float() / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        assert torch.equal(k8[slot // 16, slot % 16], want_k) and torch.equal(v8[slot // 16, slot % 16], want_v)
+    assert k8[0, 3, 0, 0] == 448.0 and not k8.isnan().any()
+    written = {17, 3, 0, 63, 40}
+    untouched = [s for s in range(64) if s not in written]
+    assert all(k8[s // 16, s % 16].abs().sum() == 0 for s in untouched)
+
+
+def test_kit_kv_write_auto_and_bad_arguments():
+    from benchmarks.kit_stand_ins import write_kv_cache
+
+    key, value, (k_cache, v_cache), slots = _kv_write_case(torch.bfloat16)
+    one = torch.tensor([1.0])
+    write_kv_cache(key, value, k_cache, v_cache, slots, "auto", one, one)
+    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(v_cache[3, 15], value[3])
+    with pytest.raises(ValueError, match="kv_cache_dtype.*'fp8_e5m2'"):
+        write_kv_cache(key, value, k_cache, v_cache, slots, "fp8_e5m2", one, one)
+    with pytest.raises(ValueError, match="key_cache/value_cache: expected uint8 or float8_e4m3fn.*bfloat16"):
+        write_kv_cache(key, value, k_cache, v_cache, slots, "fp8", one, one)
+
+
+@pytest.fixture
+def kits_kv_write_op():
+    """``_C_cache_ops::reshape_and_cache_flash`` defined as the kit's stand-ins define it, with a
+    write that refuses FP8 caches (unless this process already has the op)."""
+    if hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+        yield
+        return
+    kit = torch.library.Library("_C_cache_ops", "FRAGMENT")
+    kit.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+               "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
+
+    def refuses_fp8(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+        raise NotImplementedError("stub supports kv_cache_dtype='auto' only")
+
+    kit.impl("reshape_and_cache_flash", refuses_fp8, "CPU")
+    yield kit
+
+
+def test_kit_kv_write_replaces_the_kits_op(kits_kv_write_op):
+    """install_kv_write takes over the op the kit's stand-ins define, for CPU and CUDA tensors."""
+    from benchmarks import kit_stand_ins
+
+    key, value, (k_cache, v_cache), slots = _kv_write_case(torch.uint8)
+    kit_stand_ins.install_kv_write()
+    kit_stand_ins.install_kv_write()  # idempotent
+    torch.ops._C_cache_ops.reshape_and_cache_flash(key, value, k_cache, v_cache, slots, "fp8", torch.tensor([1.0]),
+                                                   torch.tensor([1.0]))
+    assert torch.equal(k_cache.view(torch.float8_e4m3fn)[1, 1].float(),
+                       key[0].float().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert not kit_stand_ins.runs_on_stand_ins()  # no vLLM here, so never the kit's
 
 
 def test_server_command_has_the_operator_flags(tmp_path):
