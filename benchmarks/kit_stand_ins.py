@@ -24,8 +24,9 @@ KV_WRITE_OP = "reshape_and_cache_flash"
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor,
                    v_scale: torch.Tensor) -> None:
-    """vLLM's ``_C_cache_ops::reshape_and_cache_flash``: token i of ``key`` / ``value`` ([T, Hkv, D],
-    model dtype) to slot ``slot_mapping[i]`` (int64 [>= T]; slot = block * block_size + offset) of
+    """vLLM's ``_C_cache_ops::reshape_and_cache_flash``: token i of ``key`` / ``value`` ([>= N, Hkv, D],
+    model dtype; vLLM pads them past the N tokens of ``slot_mapping``) to slot ``slot_mapping[i]``
+    (int64 [N]; slot = block * block_size + offset) of
     ``key_cache`` / ``value_cache`` ([blocks, block_size, Hkv, D] views of any strides). ``kv_cache_dtype``
     ``auto``: stored as they are (cast to the cache's dtype); ``fp8`` / ``fp8_e4m3``: stored as
     e4m3 of value / scale (``k_scale``, ``v_scale``: float32 tensors of one element) in a uint8
@@ -34,9 +35,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     capture."""
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
         raise ValueError(f"kv_cache_dtype: expected 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
-    n = key.shape[0]
+    n = slot_mapping.numel()
     block_size = key_cache.shape[1]
-    slots = slot_mapping.flatten()[:n].long().clamp(min=0)
+    slots = slot_mapping.flatten().long().clamp(min=0)
     blocks, offsets = slots // block_size, slots % block_size
     for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         if kv_cache_dtype == "auto":

@@ -387,14 +387,14 @@ def test_vllm_arguments_per_mode(tmp_path):
 
 def _kv_write_case(cache_dtype, layout="NHD"):
     torch.manual_seed(0)
-    blocks, block_size, hkv, d, n = 4, 16, 2, 8, 5
-    key, value = (torch.randn(n, hkv, d, dtype=torch.bfloat16) * 4 for _ in range(2))
+    blocks, block_size, hkv, d, padded = 4, 16, 2, 8, 7
+    key, value = (torch.randn(padded, hkv, d, dtype=torch.bfloat16) * 4 for _ in range(2))
     key[1, 0, 0] = 1e4  # beyond e4m3's range once divided by the scale
     shape = (blocks, hkv, block_size, d) if layout == "HND" else (blocks, block_size, hkv, d)
     caches = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2)]
     if layout == "HND":
         caches = [c.transpose(1, 2) for c in caches]
-    slots = torch.tensor([17, 3, -1, 63, 40, 5, 6])  # longer than the tokens, as vLLM pads it
+    slots = torch.tensor([17, 3, -1, 63, 40])  # 5 tokens; vLLM pads key and value past them
     return key, value, caches, slots
 
 
