@@ -464,6 +464,24 @@ def test_kit_kv_write_replaces_the_kits_op(kits_kv_write_op):
     assert not kit_stand_ins.runs_on_stand_ins()  # no vLLM here, so never the kit's
 
 
+@pytest.mark.parametrize("kv_cache_dtype, stand_ins, installs", [("fp8", True, True), ("fp8", False, False),
+                                                                  ("auto", True, False)])
+def test_vllm_child_installs_the_fp8_write_only_over_the_kits_stand_ins(tmp_path, monkeypatch, kv_cache_dtype,
+                                                                       stand_ins, installs):
+    import types
+
+    from benchmarks import kit_stand_ins
+
+    installed = []
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vllm_llm sets it; the test restores it
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+    monkeypatch.setattr(kit_stand_ins, "runs_on_stand_ins", lambda: stand_ins)
+    monkeypatch.setattr(kit_stand_ins, "install_kv_write", lambda: installed.append(True))
+    kw = serving.vllm_llm(tmp_path, "FLASH_ATTN", 9000, 48, 0.8, serving.EngineSetup(kv_cache_dtype=kv_cache_dtype))
+    assert installed == ([True] if installs else [])
+    assert kw["attention_backend"] == "FLASH_ATTN" and kw.get("kv_cache_dtype", "auto") == kv_cache_dtype
+
+
 def test_server_command_has_the_operator_flags(tmp_path):
     cmd = serving.sglang_server_cmd(tmp_path, "evenkv", 30000, 9000, 256, 0.8, serving.EngineSetup())
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
