@@ -71,5 +71,7 @@ def install_kv_write() -> None:
     if _registrations is None:
         library = torch.library.Library("_C_cache_ops", "IMPL")
         for dispatch_key in ("CUDA", "CPU"):
-            library.impl(KV_WRITE_OP, write_kv_cache, dispatch_key)
+            # The kit registered its write from Python too, which torch 2.11 (the device's)
+            # refuses to override unless asked; 2.13 allows it by default.
+            library.impl(KV_WRITE_OP, write_kv_cache, dispatch_key, allow_override=True)
         _registrations = library

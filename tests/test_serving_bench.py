@@ -450,10 +450,20 @@ def kits_kv_write_op():
     yield kit
 
 
-def test_kit_kv_write_replaces_the_kits_op(kits_kv_write_op):
-    """install_kv_write takes over the op the kit's stand-ins define, for CPU and CUDA tensors."""
+def test_kit_kv_write_replaces_the_kits_op(kits_kv_write_op, monkeypatch):
+    """install_kv_write takes over the op the kit's stand-ins define, for CPU and CUDA tensors,
+    also where ``Library.impl`` refuses by default to override a Python registration (torch
+    2.11, the device's)."""
     from benchmarks import kit_stand_ins
 
+    original_impl = torch.library.Library.impl
+
+    def impl_refusing_overrides_by_default(self, op_name, fn, dispatch_key="", *, with_keyset=False,
+                                           allow_override=False):
+        return original_impl(self, op_name, fn, dispatch_key, with_keyset=with_keyset, allow_override=allow_override)
+
+    monkeypatch.setattr(torch.library.Library, "impl", impl_refusing_overrides_by_default)
+    monkeypatch.setattr(kit_stand_ins, "_registrations", None)
     key, value, (k_cache, v_cache), slots = _kv_write_case(torch.uint8)
     kit_stand_ins.install_kv_write()
     kit_stand_ins.install_kv_write()  # idempotent
