@@ -25,6 +25,13 @@ FA3_FP8_DTYPES = (torch.bfloat16,)
 FA3_MAX_SINK_HEADS = 64
 
 
+def fa3_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sink logits ([Hq]) in bf16, the one dtype FA3 reads them in (vLLM's build refuses another;
+    SGLang's models hold them in bf16 for its fa3 backend): a model's bf16 sinks pass as they
+    are, float32 or fp16 sinks are rounded."""
+    return None if sinks is None else sinks.to(torch.bfloat16)
+
+
 def fp8_operands(q: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float, rows: int) -> tuple:
     """For FA3 over an FP8 (e4m3) cache, as the engines' default backends run it: (q [T, Hq, D]
     cast to e4m3 with saturation, q's scale 1; k_descale, v_descale [rows, Hkv] fp32, the
@@ -66,12 +73,9 @@ class VllmFlashAttention:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
         q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
-        # FA3 reads s_aux as bf16 only (and refuses another dtype): a model's bf16 sinks pass as
-        # they are, as vLLM's FLASH_ATTN passes them; float32 or fp16 sinks are rounded to bf16.
-        sinks = None if sinks is None else sinks.to(torch.bfloat16)
         self.varlen(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len,
                     seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=sm_scale, causal=True,
-                    window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=sinks,
+                    window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, s_aux=fa3_sinks(sinks),
                     block_table=page_table, fa_version=self.fa_version, num_splits=self.num_splits,
                     k_descale=k_descale, v_descale=v_descale)
 
@@ -121,12 +125,10 @@ class SGLangFlashAttention:
     def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
                  sm_scale, sliding_window=None, logit_cap=None, sinks=None, k_scale=1.0, v_scale=1.0):
         q, k_descale, v_descale = fp8_operands(q, k_cache, k_scale, v_scale, seq_lens.shape[0])
-        # In bf16, the dtype SGLang's models hold sinks in for its fa3 backend (gpt-oss's choice).
-        sinks = None if sinks is None else sinks.to(torch.bfloat16)
         self.with_kvcache(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q_len, softmax_scale=sm_scale, causal=True,
-                          window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=sinks, out=out,
-                          num_splits=self.num_splits, k_descale=k_descale, v_descale=v_descale)
+                          window_size=fa_window(sliding_window), softcap=logit_cap or 0.0, sinks=fa3_sinks(sinks),
+                          out=out, num_splits=self.num_splits, k_descale=k_descale, v_descale=v_descale)
 
 
 def sglang_flash_attention(device) -> SGLangFlashAttention | None:
