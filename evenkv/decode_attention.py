@@ -91,7 +91,9 @@ class DecodeAttention:
             on the next larger built one. Default: every count up to max_q_len.
         tree_masks: rows of several query tokens carry tree masks (``plan``'s ``tree_mask``,
             required then; a chain ``(1 << (t + 1)) - 1`` gives causal rows), so only the
-            tree-masked variants of their buckets are built. Not with a sliding window.
+            tree-masked variants of their buckets are built. A tree token sits at the prefix's
+            end plus its depth (its mask's bits less one), where a sliding window, which must
+            then be at least max_q_len, starts from.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -114,9 +116,9 @@ class DecodeAttention:
         self.q_lens = check_q_lens(q_lens, self.max_q_len)
         if not isinstance(tree_masks, bool):
             raise TypeError(f"tree_masks: expected bool, got {type(tree_masks).__name__}")
-        if tree_masks and self.sliding_window is not None:
-            raise ValueError(f"tree_masks: tree-shaped drafts under a sliding window (sliding_window="
-                             f"{self.sliding_window}) are not supported: a tree token's window starts at its depth")
+        if tree_masks and self.sliding_window is not None and self.sliding_window < self.max_q_len:
+            raise ValueError(f"sliding_window: expected >= max_q_len={self.max_q_len} with tree_masks (a tree "
+                             f"token's ancestors must lie in its window), got {self.sliding_window}")
         self.tree_masks = tree_masks
         self.max_total_tokens = max_total_tokens
         if config is not None and not isinstance(config, DecodeConfig):

@@ -128,6 +128,38 @@ def test_tree_masks(device, policy, deterministic):
 
 
 @pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
+@pytest.mark.parametrize("terms", [dict(), dict(logit_cap=3.0, sinks=True, fp8=True)], ids=["plain", "all"])
+def test_tree_masks_under_a_window(device, policy, deterministic, terms):
+    """Tree drafts beside sliding-window layers (SGLang's NGRAM and EAGLE trees on Mistral-style
+    windows and the hybrid SWA pool): a tree token sits at the prefix's end plus its depth, as the
+    engine places it, and its window bounds the prefix from there (the reference places the new
+    tokens at their depths too). A window of 20 cuts the 150- and 40-token requests' prefixes, at
+    keys that a token's index instead of its depth would place otherwise; with a window shorter
+    than the rows' tokens a tree token's ancestors could fall out of it, which is refused."""
+    hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
+    q_lens, window = [6, 3, 5, 2, 0], 20
+    q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, q_lens, hq, hkv, d, ps, dtype, device, seed=9)
+    masks = _tree_masks(q_lens, 9)
+    depths = [bin(m).count("1") - 1 for m in masks]  # each new token's depth in its tree
+    index = [t for n in q_lens for t in range(n)]
+    assert any(dp < t for dp, t in zip(depths, index)), "no token whose depth differs from its index"
+    tree = torch.tensor(masks, dtype=torch.int32, device=device)
+    run = {}
+    if terms.get("sinks"):
+        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
+    if terms.get("fp8"):
+        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
+        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, tree_masks=True, deterministic=deterministic,
+                 kv_dtype=kc.dtype, sliding_window=window, logit_cap=terms.get("logit_cap"))
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=tree), q, kc, vc, **run)
+    assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, tree_mask=tree, sliding_window=window,
+                                     logit_cap=terms.get("logit_cap"), **run)
+    with pytest.raises(ValueError, match=r"sliding_window: expected >= max_q_len=6 with tree_masks .* got 5"):
+        _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, tree_masks=True, sliding_window=5)
+
+
+@pytest.mark.parametrize("policy,deterministic", POLICY_CASES, ids=POLICY_IDS)
 @pytest.mark.parametrize("terms", [dict(sliding_window=20), dict(sliding_window=1), dict(sliding_window=130),
                                    dict(logit_cap=2.0), dict(sinks=True), dict(fp8=True),
                                    dict(sliding_window=12, logit_cap=3.0, sinks=True, fp8=True)],
@@ -249,9 +281,6 @@ def test_attention_verify_plan_arguments(device):
         evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=17)
     with pytest.raises(ValueError, match="max_q_len: 16 query tokens x G=16 heads make 256 tile rows"):
         evenkv.DecodeAttention(16, 1, 64, 16, torch.float16, device, 2, 4, max_q_len=16)
-    with pytest.raises(ValueError, match="tree_masks: tree-shaped drafts under a sliding window"):
-        evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, tree_masks=True,
-                               sliding_window=64)
     with pytest.raises(ValueError, match=r"q_lens: expected query-token counts in 1..max_q_len=4, got \[1, 5\]"):
         evenkv.DecodeAttention(4, 2, 64, 16, torch.float16, device, 2, 4, max_q_len=4, q_lens=(1, 5))
     with pytest.raises(TypeError, match="q_lens: expected a non-empty sequence of ints"):

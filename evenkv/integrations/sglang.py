@@ -180,9 +180,11 @@ def _speculative_reasons(model_runner) -> list[str]:
         from evenkv.integrations.sglang_backend import model_layer_kinds
 
         kinds, _ = model_layer_kinds(model_runner.model)
-        if any(kind.window for kind in kinds.values()):
-            reasons.append(f"draft trees ({algorithm}) on a model with sliding-window layers: evenkv's tree-masked "
-                           "verify rows take no window; use a chain (EAGLE with --speculative-eagle-topk 1)")
+        short = sorted({kind.window for kind in kinds.values() if kind.window and kind.window < q_len})
+        if short:
+            reasons.append(f"draft trees ({algorithm}) of {q_len} tokens under sliding windows of {short} keys: a "
+                           "tree token's ancestors must lie in its window (evenkv's tree-masked verify rows bound "
+                           "only the prefix by it)")
     return reasons
 
 

@@ -28,7 +28,8 @@ evenkv's extend kernel (``num_decodes = 0``), reading the cached prefix from the
 the new tokens' K/V from the layer's inputs. Speculative verify batches (``TARGET_VERIFY``,
 which SGLang sends to ``forward_extend``) are decode rows too: each request's
 ``speculative_num_draft_tokens`` tokens attend to the cache (their own K/V just written),
-causal for a chain, under a per-row tree mask for NGRAM and EAGLE with topk > 1.
+causal for a chain, under a per-row tree mask for NGRAM and EAGLE with topk > 1 (on window
+layers too: a tree token's window starts from its depth, as SGLang positions it).
 Attention sinks come with each call (``sinks=``). An FP8 pool
 (``--kv-cache-dtype fp8_e4m3``) is read with each layer's ``k_scale_float`` /
 ``v_scale_float``; its new tokens are read back from the pool, where SGLang has just

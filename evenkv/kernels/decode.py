@@ -34,7 +34,9 @@ Verify rows (MULTI_Q): request b's query tokens are q rows ``q_start .. q_start 
 (``plan.decode_query_rows``), token t at position seq_len - q_len + t. Causal: token t sees
 the keys up to its position. TREE: ``tree[q_start + t]`` is a bit mask over the request's
 new tokens (bit j: token t sees new token j; the prefix is always seen), SGLang's
-tree-shaped drafts. A partial slot holds SLOT_ROWS = G * (most query tokens of a row) rows.
+tree-shaped drafts; a tree token sits at the prefix's end plus its depth, which its bit count
+gives (its ancestors and itself), and a sliding window bounds its prefix keys from there. A
+partial slot holds SLOT_ROWS = G * (most query tokens of a row) rows.
 
 What a layer adds to plain attention (``decode_launch.LayerTerms``):
 
@@ -169,17 +171,30 @@ def _load_tree(tree_ptr, q_start, q_len, total_q, G: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
+def _bit_count16(x):
+    """The set bits among the low 16 of each of x's non-negative int32 values (SWAR sums)."""
+    x = x - ((x >> 1) & 0x5555)
+    x = (x & 0x3333) + ((x >> 2) & 0x3333)
+    x = (x + (x >> 4)) & 0x0F0F
+    return (x + (x >> 8)) & 0x1F
+
+
+@triton.jit
 def _seen_keys(tok, seq_len, q_len, tree, window, G: tl.constexpr, ROWS: tl.constexpr, TREE: tl.constexpr):
     """[ROWS, BLOCK_N]: whether each tile row of a verify row sees key ``tok`` (< seq_len
     already checked). Token t = row // G sits at position p = seq_len - q_len + t and sees
-    keys <= p (causal) or, with TREE, the prefix and the new tokens its mask names; with a
-    window W only keys > p - W."""
+    keys <= p (causal); with a window W only keys > p - W. With TREE it sees the prefix and
+    the new tokens its mask names, and sits at p = seq_len - q_len + its depth (its mask's bits
+    less one: its ancestors and itself), as the engine places it; a window W then bounds the
+    prefix only, for its ancestors lie within W whenever W >= q_len (DecodeAttention's rule)."""
     first_new = seq_len - q_len
-    pos = first_new + tl.arange(0, ROWS) // G
     if TREE:
         rel = tok[None, :] - first_new
         named = ((tree[:, None] >> tl.minimum(tl.maximum(rel, 0), 31)) & 1) != 0
-        return (rel < 0) | named
+        depth = _bit_count16(tree & ((1 << q_len) - 1)) - 1
+        in_window = (window <= 0) | (tok[None, :] > (first_new + depth)[:, None] - window)
+        return tl.where(rel < 0, in_window, named)
+    pos = first_new + tl.arange(0, ROWS) // G
     seen = tok[None, :] <= pos[:, None]
     return seen & ((window <= 0) | (tok[None, :] > pos[:, None] - window))
 

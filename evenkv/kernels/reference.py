@@ -106,8 +106,10 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sees keys <= its position; sliding_window W >= 1: keys in [p - W + 1, p]; logit_cap c > 0:
     scores -> c * tanh(scores / c). None or 0 disables window and cap. sinks: None or [Hq]
     (see the module docstring). tree_mask: None or [total_q] int (with causal): bit j of
-    tree_mask[i] says whether query row i sees its request's new token j (position seq_len -
-    q_len + j) instead of the causal rule among the new tokens; the prefix is always seen.
+    tree_mask[i] says whether query row i sees its request's new token j instead of the causal
+    rule among the new tokens; the prefix is always seen. A tree's new token sits at position
+    seq_len - q_len + its depth (its row's bits among the first q_len, less one: its ancestors
+    and itself), for the sliding window too.
 
     compute_dtype: fp32 (the oracle) or the inputs' low dtype (torch's own low-precision
     baseline for the tolerance rule: scores, softmax and PV rounded to that dtype).
@@ -153,16 +155,21 @@ def extend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             if logit_cap:
                 scores = logit_cap * torch.tanh(scores / logit_cap)
             q_pos = prefix + torch.arange(i0, i1, device=q.device)
+            key_at = key_pos  # the keys' positions (a tree's new tokens sit at their depths)
             seen = torch.ones(i1 - i0, seq_len, dtype=torch.bool, device=q.device)
             if causal and tree_mask is not None:
-                bits = tree_mask[q_begin + i0:q_begin + i1].long()
+                rows = tree_mask[q_begin:q_begin + q_len].long() & ((1 << q_len) - 1)
+                depth = sum((rows >> j) & 1 for j in range(q_len)) - 1
+                if prefix >= 0:  # (a padding row, seq_len 0 < q_len, has no key)
+                    key_at = torch.cat([key_pos[:prefix], prefix + depth])
+                q_pos = prefix + depth[i0:i1]
                 rel = (key_pos - prefix).clamp(min=0)
-                named = ((bits[:, None] >> rel[None, :]) & 1).bool()
+                named = ((rows[i0:i1, None] >> rel[None, :]) & 1).bool()
                 seen &= (key_pos[None, :] < prefix) | named
             elif causal:
                 seen &= key_pos[None, :] <= q_pos[:, None]
             if sliding_window:
-                seen &= key_pos[None, :] > q_pos[:, None] - sliding_window
+                seen &= key_at[None, :] > q_pos[:, None] - sliding_window
             scores = scores.masked_fill(~seen[None], -math.inf)
             if sinks is not None:  # one more logit per head, with no value
                 scores = torch.cat([scores, sinks.to(compute_dtype)[:, None, None].expand(-1, i1 - i0, 1)], -1)

@@ -30,7 +30,8 @@ Modes:
   --compare and --skewed combine (each backend's child runs both workloads).
   --spec-ngram K  both backends decode with n-gram speculation of K draft tokens (no draft
                model): vLLM ``speculative_config={"method": "ngram", ...}``, SGLang
-               ``speculative_algorithm="NGRAM"`` with K + 1 draft tokens in a chain. Each
+               ``speculative_algorithm="NGRAM"`` with K + 1 draft tokens in a chain (in trees of
+               up to --spec-breadth branches a level, when that is more than 1). Each
                prompt is a random block of --spec-block tokens repeated, so the n-gram
                lookup finds matches from the first step; with random weights most drafts are
                rejected, which still verifies them. RESULT adds per backend how many
@@ -81,6 +82,8 @@ def parse_args(argv=None):
     ap.add_argument("--spec-ngram", type=int, default=0, metavar="K",
                     help="n-gram speculative decoding with K draft tokens (0: off)")
     ap.add_argument("--spec-block", type=int, default=16, help="--spec-ngram: the repeated block of each prompt")
+    ap.add_argument("--spec-breadth", type=int, default=1,
+                    help="--spec-ngram, SGLang: the n-gram draft tree's breadth (1: a chain; more: branching trees)")
     ap.add_argument("--skewed", action="store_true", help="decode step time, one long prompt beside short ones")
     ap.add_argument("--prompt-lens", default="7,100,1000,3000,13,333",
                     help="comma-separated prompt lengths of the generation workload")
@@ -269,9 +272,10 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
     else:
         kw["disable_cuda_graph"] = True
     if a.spec_ngram:
-        # K drafts in a chain: SGLang counts the verified row (last token + K drafts) as draft tokens.
+        # K drafts, a chain at breadth 1: SGLang counts the verified row (last token + K drafts) as
+        # draft tokens.
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.spec_ngram + 1,
-                  speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=1)
+                  speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=a.spec_breadth)
     kw.update(extra or {})
     return sglang.Engine(**kw)
 
@@ -398,7 +402,7 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            str(a.long_len), "--num-short", str(a.num_short), "--short-lens", a.short_lens, "--steps", str(a.steps),
            "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path,
-           "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block)]
+           "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block), "--spec-breadth", str(a.spec_breadth)]
     if a.compare:
         cmd.append("--compare")
     if a.skewed:

@@ -16,6 +16,8 @@
 #           layers alternating with full ones), which SGLang serves on its hybrid SWA pool (two token pools,
 #           window layers through the full->SWA mapping): evenkv and triton, CUDA graphs, prompts longer than the
 #           window; tokens and logprobs against HF (ok=1) and each other
+#   swa-spec-tree  the swa step's Mellum with n-gram speculation in draft trees (3 drafts, up to 2
+#           branches a level): tree-masked verify rows on window layers of the hybrid pool, vs triton and HF
 #   server  the HTTP server at full size through benchmarks/serving.py (evenkv only, chat workload):
 #           `python -m sglang.launch_server --attention-backend evenkv` (Qwen3-30B-A3B attention shape, dummy
 #           weights, CUDA graphs), 256 concurrent streaming requests on /generate, stopped by PID; start-up
@@ -122,12 +124,13 @@ step_fp8() {
     --kv-cache-dtype fp8_e4m3
 }
 
-step_swa() {
-  local m=$MODEL-mellum-swa
+step_swa() {  # [name extra-compare-args...]
+  local name=${1:-swa} m=$MODEL-mellum-swa
+  shift $(($# > 0 ? 1 : 0))
   if [ ! -f "$m/config.json" ]; then
     python3 "$ROOT/tests/e2e/layer_models.py" mellum "$m" > "$L/swa-model.log" 2>&1 || { tail "$L/swa-model.log"; return 1; }
   fi
-  run_step swa 330 200 python3 "$ROOT/tests/e2e/compare.py" "$m" --engine sglang --graphs 1 --compare
+  run_step "$name" 330 200 python3 "$ROOT/tests/e2e/compare.py" "$m" --engine sglang --graphs 1 --compare "$@"
 }
 
 step_server() {
@@ -144,6 +147,7 @@ for s in ${@:-checks skew pytest}; do
     server) step_server ;;
     fp8) step_fp8 ;;
     swa) step_swa ;;
+    swa-spec-tree) step_swa swa-spec-tree --spec-ngram 3 --spec-breadth 2 ;;
     invariance) model && run_step invariance 240 100 python3 "$ROOT/tests/e2e/invariance.py" "$MODEL" \
       --engine sglang --backend evenkv ;;
     invariance-default) model && run_step invariance-default 240 100 python3 "$ROOT/tests/e2e/invariance.py" \
@@ -152,7 +156,7 @@ for s in ${@:-checks skew pytest}; do
       --graphs 1 --compare --spec-ngram 3 --baseline default ;;
     openai) model && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" --engine sglang \
       --log "$L/openai-server.log" ;;
-    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | server | invariance | invariance-default |" \
+    *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | swa-spec-tree | server | invariance | invariance-default |" \
          "spec-ngram | openai)"; exit 2 ;;
   esac
 done

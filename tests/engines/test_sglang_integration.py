@@ -346,6 +346,11 @@ def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def branches(masks) -> bool:
+    """Whether some draft tree is not a chain: a token deeper in the list than in its tree."""
+    return any(int(m[j].sum()) - 1 < j for m in masks for j in range(m.shape[0]))
+
+
 def full_mask(cached, masks) -> torch.Tensor:
     """SGLang's FULL_MASK custom_mask: per request the q_len x (cached + q_len) rows of its
     drafts (every cached token visible, then the tree), flattened, requests back to back."""
@@ -355,16 +360,19 @@ def full_mask(cached, masks) -> torch.Tensor:
 
 def visible_slots(world, layer, reqs, starts, q_lens, masks=None) -> list[list[int]]:
     """Per query row, the slots (in the layer's own pool) of the keys it attends to: query i of
-    request reqs[b] sits at position starts[b] + i and sees every earlier position, and the new
-    tokens masks[b] allows (None: causal), all within the layer's window. From the test's own
-    slot records, not from req_to_token or the pool's mapping."""
+    request reqs[b] sees every earlier position and the new tokens masks[b] allows (None:
+    causal), all within the layer's window. New token j sits at position starts[b] + its depth
+    (j in a chain; in a tree, masks[b][j]'s count less one, SGLang's positions). From the
+    test's own slot records, not from req_to_token or the pool's mapping."""
     window = layer.sliding_window_size + 1 if layer.sliding_window_size > -1 else None
     rows = []
     for b, (r, start, q_len) in enumerate(zip(reqs, starts, q_lens)):
+        depth = list(range(q_len)) if masks is None else [int(masks[b][j].sum()) - 1 for j in range(q_len)]
         for i in range(q_len):
-            pos = start + i
-            new = [start + j for j in range(q_len) if (j <= i if masks is None else bool(masks[b][i, j]))]
-            seen = [p for p in list(range(start)) + new if window is None or p > pos - window]
+            pos = start + depth[i]
+            keys = [(p, p) for p in range(start)] + [
+                (start + j, start + depth[j]) for j in range(q_len) if (j <= i if masks is None else bool(masks[b][i, j]))]
+            seen = [p for p, at in keys if window is None or at > pos - window]
             rows.append(world.layer_slots(r, layer.layer_id, seen))
     return rows
 
@@ -957,13 +965,16 @@ def test_refuses_unsupported_speculation(lane, overrides, fragment):
         world.backend()
 
 
-def test_refuses_trees_with_pages_or_windows(lane):
+def test_refuses_trees_with_pages_or_short_windows(lane):
+    """Trees on pages of several tokens are refused; under a window, only one shorter than the
+    verify rows (a tree token's ancestors must lie in it)."""
     world = speculative_world(16, lane, "NGRAM", 4)
     with pytest.raises(NotImplementedError, match="page size 16"):
         world.backend()
-    world = speculative_world(1, lane, "EAGLE", 4, topk=2, layer_kw=WINDOW_AND_FULL)
-    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+    world = speculative_world(1, lane, "EAGLE", 4, topk=2, layer_kw=[dict(sliding_window_size=2), {}])
+    with pytest.raises(NotImplementedError, match=r"draft trees \(EAGLE\) of 4 tokens under sliding windows of \[3\]"):
         world.backend()
+    assert plugin.unsupported_reasons(speculative_world(1, lane, "EAGLE", 4, topk=2, layer_kw=WINDOW_AND_FULL).runner) == []
 
 
 @pytest.mark.parametrize("algorithm,topk,page_size,layer_kw,sinks", [
@@ -971,7 +982,9 @@ def test_refuses_trees_with_pages_or_windows(lane):
     ("EAGLE", 1, 16, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),  # chain, window, soft-cap, sinks
     ("NGRAM", 1, 1, None, False),  # NGRAM trees
     ("EAGLE", 4, 1, [dict(logit_cap=5.0)] * 2, True),  # EAGLE trees, soft-cap and sinks
-], ids=["eagle-chain", "eagle-chain-p16-window-cap-sinks", "ngram-tree", "eagle-tree-cap-sinks"])
+    ("NGRAM", 1, 1, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),  # trees under a window
+], ids=["eagle-chain", "eagle-chain-p16-window-cap-sinks", "ngram-tree", "eagle-tree-cap-sinks",
+        "ngram-tree-window-cap-sinks"])
 def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer_kw, sinks):
     """TARGET_VERIFY through forward_extend, as SGLang sends it: each request's draft tokens
     are written to their slots, then attend to the cache as decode rows (chain: causal;
@@ -983,6 +996,7 @@ def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer
     reqs = [world.add_request(c + q_len) for c in cached]
     tree = backend.tree_verify
     masks = [random_tree_mask(q_len, world.gen) for _ in reqs] if tree else None
+    assert not tree or branches(masks), "every draw a chain: the trees test nothing a chain does not"
     fb = world.verify_batch(reqs, cached, q_len, masks)
     backend.init_forward_metadata(fb)
     t = len(reqs) * q_len
@@ -996,24 +1010,28 @@ def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer
                             layer, sink)
 
 
-def test_target_verify_on_the_hybrid_pool(lane):
-    """EAGLE chain verify with a window layer in the sliding-window pool (gpt-oss-like)."""
+@pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("NGRAM", 1)], ids=["chain", "tree"])
+def test_target_verify_on_the_hybrid_pool(lane, algorithm, topk):
+    """Verify with a window layer in the sliding-window pool (gpt-oss-like): EAGLE chains, and
+    NGRAM trees, whose tokens' windows start from their depths."""
     q_len = 3
     world = hybrid_world(1, lane, ctx=128)
-    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm="EAGLE",
-                                          speculative_num_draft_tokens=q_len, speculative_eagle_topk=1)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm=algorithm,
+                                          speculative_num_draft_tokens=q_len, speculative_eagle_topk=topk)
     backend = world.backend()
     cached = [30, 2, 60]
     reqs = [world.add_request(c + q_len) for c in cached]
     for r, c in zip(reqs, cached):
         world.evict_window(r, c - 15)
-    fb = world.verify_batch(reqs, cached, q_len)
+    masks = [random_tree_mask(q_len, world.gen) for _ in reqs] if backend.tree_verify else None
+    assert masks is None or branches(masks), "every draw a chain: the window starts where a chain's would"
+    fb = world.verify_batch(reqs, cached, q_len, masks)
     backend.init_forward_metadata(fb)
     t = len(reqs) * q_len
     for layer in world.layers:
         q, k, v = world.qkv(t)
         out = backend.forward(q, k, v, layer, fb)
-        check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [q_len] * 3), layer)
+        check_against_slots(world, out, q, visible_slots(world, layer, reqs, cached, [q_len] * 3, masks), layer)
 
 
 def test_refuses_a_mask_in_another_layout(lane):

@@ -299,8 +299,9 @@ def test_verify_rows_of_other_head_dims(hq, hkv, d, deterministic, no_tf32):
 
 
 def test_verify_tree_masks_and_layer_terms(no_tf32):
-    """Tree masks (a 7-token draft tree) and, separately, a 128-token window with sinks over an FP8
-    cache (gpt-oss's shape): verify rows against the reference."""
+    """Tree masks (a 7-token draft tree), alone and under a 128-token window (each tree token's
+    window starting from its depth), and a 128-token window with sinks over an FP8 cache
+    (gpt-oss's shape): verify rows against the reference."""
     gen = torch.Generator().manual_seed(8)
     lens = skewed_lens(131072, 64, 0.6, gen)
     tree_rows = [0b0000001, 0b0000011, 0b0000101, 0b0001011, 0b0010011, 0b0100101, 0b1000011]
@@ -310,6 +311,10 @@ def test_verify_tree_masks_and_layer_terms(no_tf32):
     attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 64, pt.shape[1], max_q_len=7, tree_masks=True)
     out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=7, tree_mask=tree), q, k, v)
     check_verify_sample(out, q, k, v, cu, seq_lens, pt, 16, [0, 1, 63], tree_mask=tree)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, 16, q.dtype, "cuda", 64, pt.shape[1], max_q_len=7, tree_masks=True,
+                                  sliding_window=128)
+    out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=7, tree_mask=tree), q, k, v)
+    check_verify_sample(out, q, k, v, cu, seq_lens, pt, 16, [0, 1, 63], tree_mask=tree, sliding_window=128)
     hq, hkv, d = 64, 8, 64
     _, k, v, seq_lens, pt = build(lens, 16, hq=hq, hkv=hkv, d=d, seed=3)
     q, cu = verify_queries(lens, 4, hq, d, gen)
