@@ -172,10 +172,12 @@ def _speculative_reasons(model_runner) -> list[str]:
         reasons.append(f"speculative_num_draft_tokens={q_len}: evenkv verifies 1 to {MAX_DECODE_Q_LEN} tokens "
                        "per request")
     page_size = getattr(model_runner, "page_size", 1) or 1
-    if tree and page_size > 1:
-        reasons.append(f"draft trees ({algorithm}, topk {getattr(args, 'speculative_eagle_topk', None)}) with page "
-                       f"size {page_size}: SGLang lays tree drafts out per page only for its own backends; use "
-                       "--page-size 1")
+    if algorithm != "NGRAM" and tree and page_size > 1:
+        # NGRAM's drafts take D page-consistent slots after the prefix at any page size (its
+        # tree lives in the mask only); EAGLE's topk > 1 copies the prefix's last page per branch.
+        reasons.append(f"EAGLE draft trees (topk {getattr(args, 'speculative_eagle_topk', None)}) with page size "
+                       f"{page_size}: SGLang lays them out per page (the prefix's last page copied per branch) "
+                       "only for its own backends; use --page-size 1")
     if tree:
         from evenkv.integrations.sglang_backend import model_layer_kinds
 

@@ -965,12 +965,14 @@ def test_refuses_unsupported_speculation(lane, overrides, fragment):
         world.backend()
 
 
-def test_refuses_trees_with_pages_or_short_windows(lane):
-    """Trees on pages of several tokens are refused; under a window, only one shorter than the
-    verify rows (a tree token's ancestors must lie in it)."""
-    world = speculative_world(16, lane, "NGRAM", 4)
-    with pytest.raises(NotImplementedError, match="page size 16"):
+def test_refuses_eagle_trees_with_pages_or_short_windows(lane):
+    """EAGLE trees on pages of several tokens are refused (NGRAM's are not: its drafts take the
+    slots after the prefix at any page size); under a window, only one shorter than the verify
+    rows (a tree token's ancestors must lie in it)."""
+    world = speculative_world(16, lane, "EAGLE", 4, topk=2)
+    with pytest.raises(NotImplementedError, match="EAGLE draft trees .* page size 16"):
         world.backend()
+    assert plugin.unsupported_reasons(speculative_world(16, lane, "NGRAM", 4).runner) == []
     world = speculative_world(1, lane, "EAGLE", 4, topk=2, layer_kw=[dict(sliding_window_size=2), {}])
     with pytest.raises(NotImplementedError, match=r"draft trees \(EAGLE\) of 4 tokens under sliding windows of \[3\]"):
         world.backend()
@@ -983,8 +985,9 @@ def test_refuses_trees_with_pages_or_short_windows(lane):
     ("NGRAM", 1, 1, None, False),  # NGRAM trees
     ("EAGLE", 4, 1, [dict(logit_cap=5.0)] * 2, True),  # EAGLE trees, soft-cap and sinks
     ("NGRAM", 1, 1, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),  # trees under a window
+    ("NGRAM", 1, 16, [dict(sliding_window_size=20), {}], False),  # trees on pages of 16, under a window
 ], ids=["eagle-chain", "eagle-chain-p16-window-cap-sinks", "ngram-tree", "eagle-tree-cap-sinks",
-        "ngram-tree-window-cap-sinks"])
+        "ngram-tree-window-cap-sinks", "ngram-tree-p16-window"])
 def test_target_verify_matches_reference(lane, algorithm, topk, page_size, layer_kw, sinks):
     """TARGET_VERIFY through forward_extend, as SGLang sends it: each request's draft tokens
     are written to their slots, then attend to the cache as decode rows (chain: causal;
@@ -1045,15 +1048,16 @@ def test_refuses_a_mask_in_another_layout(lane):
         backend.init_forward_metadata(fb)
 
 
-@pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("NGRAM", 1)], ids=["chain", "tree"])
-def test_target_verify_cuda_graph_sequence(lane, algorithm, topk):
+@pytest.mark.parametrize("algorithm,topk,page_size", [("EAGLE", 1, 1), ("NGRAM", 1, 1), ("NGRAM", 1, 16)],
+                         ids=["chain", "tree", "tree-p16"])
+def test_target_verify_cuda_graph_sequence(lane, algorithm, topk, page_size):
     """TARGET_VERIFY graphs (max_num_tokens = max_bs x draft tokens): page table and tree
     masks snapshotted before replay (req_to_token and the custom mask overwritten between
     out_graph and replay change nothing), padded rows give zeros; and a step planned before
     its draft finished (SGLang's overlap plan stream) is corrected by
     update_verify_buffers_to_fill_after_draft."""
     q_len = 3
-    world = speculative_world(1, lane, algorithm, q_len, topk, max_reqs=8)
+    world = speculative_world(page_size, lane, algorithm, q_len, topk, max_reqs=8)
     backend = world.backend()
     driver = GraphDriver(world, backend, bs=4, q_len=q_len)
     driver.capture()
