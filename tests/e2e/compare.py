@@ -95,6 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=1, help="of the random prompts")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the engine's KV cache dtype: auto, or fp8 (vLLM) / fp8_e4m3 (SGLang), for both backends")
+    ap.add_argument("--page-size", type=int, default=0,
+                    help="the KV page size of both backends (vLLM block_size, SGLang page_size; 0: the engine's)")
     ap.add_argument("--mem", type=float, default=0.3, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     ap.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto",
                     help="vLLM model runner (auto = vLLM's default; sets VLLM_USE_V2_MODEL_RUNNER)")
@@ -187,6 +189,8 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
               gpu_memory_utilization=a.mem, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_batched, seed=0, enable_prefix_caching=False, async_scheduling=False,
               enforce_eager=not a.graphs, kv_cache_dtype=a.kv_cache_dtype)
+    if a.page_size:
+        kw["block_size"] = a.page_size
     if a.graphs:
         # Graph sizes count tokens: a speculative decode step holds 1 + K per request.
         per_request = 1 + a.spec_ngram
@@ -267,6 +271,8 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
               dtype="bfloat16", mem_fraction_static=a.mem, context_length=max_model_len,
               max_running_requests=max_num_seqs, chunked_prefill_size=max_batched, disable_radix_cache=True,
               log_level="error", random_seed=0, kv_cache_dtype=a.kv_cache_dtype)
+    if a.page_size:
+        kw["page_size"] = a.page_size
     if a.graphs:
         kw.update(cuda_graph_max_bs_decode=max_num_seqs, cuda_graph_max_bs_prefill=512)
     else:
@@ -401,6 +407,7 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            "--graphs", str(a.graphs), "--prompt-lens", a.prompt_lens, "--new", str(a.new), "--long-len",
            str(a.long_len), "--num-short", str(a.num_short), "--short-lens", a.short_lens, "--steps", str(a.steps),
            "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
+           "--page-size", str(a.page_size),
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path,
            "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block), "--spec-breadth", str(a.spec_breadth)]
     if a.compare:
@@ -542,7 +549,7 @@ def main(argv=None) -> int:
     ev = run_child(a, "evenkv", csv)
     tr = run_child(a, a.baseline, csv)
     head = (f"engine={a.engine}-{ev['engine_version']} baseline={tr['backend']} graphs={a.graphs} runner={a.runner} "
-            f"kv={a.kv_cache_dtype} spec_ngram={a.spec_ngram}")
+            f"kv={a.kv_cache_dtype} spec_ngram={a.spec_ngram} page_size={a.page_size or 'default'}")
     ok = True
     if a.compare:
         fields, ok_c = compare_report(a, ev, tr)
