@@ -7,11 +7,15 @@ backend), so two engines never share a process; one CSV row per workload.
     python -m benchmarks.serving sglang --out DIR [--backends evenkv,fa3,triton] [--mode spec-ngram] [--tp 1]
     python -m benchmarks.serving report DIR       # summary.md and plots from DIR/serving.csv
 
-Models: dense Qwen3 configs with random weights (``load_format="dummy"``; only config.json
-is written, nothing is downloaded), at two shapes:
+Models: dense configs with random weights (``load_format="dummy"``; only config.json is
+written, nothing is downloaded), at three shapes:
   qwen3-8b             Qwen3-8B: 32 q / 8 kv heads, head dim 128, hidden 4096, 36 layers
   qwen3-30b-a3b-attn   Qwen3-30B-A3B's attention (32 q / 4 kv heads, head dim 128, 48 layers,
                        hidden 2048) with a dense MLP of its active size (intermediate 6144)
+  mellum-swa           a Mellum (32 q / 4 kv heads, head dim 128, hidden 2048, dense MLPs of
+                       6144, 28 layers) whose layers are three of 1024-token sliding windows to
+                       one full: an architecture SGLang serves on its hybrid SWA pool (a token
+                       pool for the window layers beside the full one), vLLM in KV-cache groups
 
 Workloads (fixed seeds; ``--size full`` is the target size, ``quick`` the one a budgeted
 device run affords; prompts are random token ids, decoding is greedy with ignore_eos):
@@ -112,11 +116,24 @@ PROCESS_START = time.time()  # a child's start-up is counted from here
 VOCAB_LOW = 3  # random prompt ids skip the special ids 0..2
 CHUNK_TOKENS = 16384  # tokens per engine step (chunked prefill), both engines
 
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "rope_theta": 1000000.0,
+         "use_sliding_window": False}
+MELLUM_LAYERS = 28
+# Mellum's config (transformers' MellumConfig, as its to_dict writes it): layer_types route each
+# layer to a window or full attention, mlp_layer_types to a dense or MoE MLP.
+MELLUM = {"architectures": ["MellumForCausalLM"], "model_type": "mellum", "vocab_size": 98304, "sliding_window": 1024,
+          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+          "layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(MELLUM_LAYERS)],
+          "mlp_layer_types": ["dense"] * MELLUM_LAYERS, "num_local_experts": 64, "num_experts_per_tok": 8,
+          "moe_intermediate_size": 896, "norm_topk_prob": True}
 SHAPES = {
-    "qwen3-8b": dict(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+    "qwen3-8b": dict(QWEN3, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36),
-    "qwen3-30b-a3b-attn": dict(num_attention_heads=32, num_key_value_heads=4, hidden_size=2048,
+    "qwen3-30b-a3b-attn": dict(QWEN3, num_attention_heads=32, num_key_value_heads=4, hidden_size=2048,
                                intermediate_size=6144, num_hidden_layers=48),
+    "mellum-swa": dict(MELLUM, num_attention_heads=32, num_key_value_heads=4, hidden_size=2048,
+                       intermediate_size=6144, num_hidden_layers=MELLUM_LAYERS),
 }
 ENGINE_BACKENDS = {"vllm": {"evenkv": "CUSTOM"}, "sglang": {}}
 DEFAULT_BACKEND = {"vllm": "FLASH_ATTN", "sglang": "fa3"}
@@ -135,12 +152,11 @@ COLUMNS = ["engine", "engine_version", "mode", "tp", "kv_cache_dtype", "shape", 
 
 
 def write_model(shape: str, directory: Path, max_positions: int) -> Path:
-    """A Qwen3 config.json for ``shape`` in ``directory`` (the engines load dummy weights)."""
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "vocab_size": 151936,
-           "max_position_embeddings": max_positions, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    """The config.json of ``shape`` in ``directory`` (the engines load dummy weights)."""
+    cfg = {"head_dim": 128, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-6,
            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
            "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
-           "use_cache": True, "use_sliding_window": False, **SHAPES[shape]}
+           "use_cache": True, **SHAPES[shape]}
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return directory

@@ -268,6 +268,21 @@ def test_model_config_has_the_shape(tmp_path):
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
 
 
+def test_mellum_shape_is_a_hybrid_window_model(tmp_path):
+    """mellum-swa: Mellum's architecture (SGLang's hybrid SWA pool), three window layers to one full
+    layer, dense MLPs, in transformers' MellumConfig fields."""
+    cfg = json.loads((serving.write_model("mellum-swa", tmp_path / "m", 140000) / "config.json").read_text())
+    assert cfg["architectures"] == ["MellumForCausalLM"] and cfg["model_type"] == "mellum"
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 4, 128)
+    layers = cfg["num_hidden_layers"]
+    assert len(cfg["layer_types"]) == len(cfg["mlp_layer_types"]) == layers == 28
+    assert cfg["layer_types"].count("full_attention") == 7 and cfg["layer_types"][:4] == ["sliding_attention"] * 3 + [
+        "full_attention"]
+    assert set(cfg["mlp_layer_types"]) == {"dense"} and cfg["sliding_window"] == 1024
+    assert set(cfg["rope_parameters"]) == {"full_attention", "sliding_attention"}
+    assert "use_sliding_window" not in cfg and "rope_theta" not in cfg  # Qwen3's keys only
+
+
 def test_cli_rejects_a_bad_workload_before_starting_an_engine(tmp_path):
     with pytest.raises(ValueError, match="got 'nope'"):
         serving.main(["vllm", "--out", str(tmp_path), "--workloads", "chat,nope"])
