@@ -10,7 +10,8 @@ difference from the first candidate's output at that point. Usage:
                                      [--kv-dtype fp8] [--q-len 8] [--deterministic]
 
 ``--kv-dtype fp8`` stores the same random cache in e4m3 (per-tensor scales) and counts one
-byte per element. ``--cache-layout`` picks how K and V lie in memory: ``token-major`` (the
+byte per element. ``--cache-layout`` picks how K and V lie in memory (both flags take comma
+lists, each pair a sweep of its own in one process): ``token-major`` (the
 default; NHD: K and V each ``[pages, page, Hkv, D]``, as SGLang's pools), ``head-major`` (HND:
 each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd`` and
 ``vllm-hnd`` (vLLM's caches: one ``[pages, page, Hkv, 2 * D]`` buffer, or ``[pages, Hkv, page,
@@ -63,6 +64,7 @@ def make_batch(total, batch, dist, page, num_pages, shape, q_len=1):
 
 
 CACHE_LAYOUTS = ("token-major", "head-major", "vllm-nhd", "vllm-hnd")
+KV_DTYPES = ("auto", "fp8")
 
 
 def random_caches(num_pages, page, hkv, d, layout, fp8, device="cuda"):
@@ -120,7 +122,7 @@ def table_configs(head_dim, page, rows, kv_fp8, archs=("sm80", "sm90")):
     return list(configs.values())
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_decode")
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
@@ -129,32 +131,60 @@ def main():
     ap.add_argument("--batches", default="1,8,64,512,2048")
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
-    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto")
-    ap.add_argument("--cache-layout", choices=CACHE_LAYOUTS, default="token-major")
+    ap.add_argument("--kv-dtype", type=choice_list(KV_DTYPES), default=("auto",),
+                    help="a comma list of auto, fp8: each a sweep of its own in this process")
+    ap.add_argument("--cache-layout", type=choice_list(CACHE_LAYOUTS), default=("token-major",),
+                    help=f"a comma list of {', '.join(CACHE_LAYOUTS)}: each a sweep of its own in this process")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     ap.add_argument("--archs", default="sm80,sm90", help="whose table rows --configs tables times")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device) * 1e12
     print(f"copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s", file=sys.stderr)
     timer = GpuTimer(device, 256)
+    rows = []
+    for kv_dtype, layout in itertools.product(args.kv_dtype, args.cache_layout):
+        rows += sweep(args, kv_dtype, layout, timer, copy_bw)
+    write_csv(args.out, rows)
+
+
+def choice_list(choices):
+    """An argparse type: a comma list of ``choices``, as a tuple."""
+    def parse(text):
+        items = tuple(text.split(","))
+        bad = [item for item in items if item not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {bad[0]!r}")
+        return items
+    return parse
+
+
+def sweep(args, kv_dtype, layout, timer, copy_bw):
+    """Every (batch, distribution, config, policy) point over caches of ``kv_dtype`` stored in
+    ``layout``: the CSV rows (and one printed line per point)."""
     total, page, shape = args.tokens, args.page, SHAPES[args.shape]
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     pages_needed = total // page + 4096
-    k, v, scales = random_caches(pages_needed, page, hkv, d, args.cache_layout, args.kv_dtype == "fp8")
+    fp8 = kv_dtype == "fp8"
+    k, v, scales = random_caches(pages_needed, page, hkv, d, layout, fp8)
     q_len = args.q_len
     if args.configs == "tables":
-        configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None,
-                                args.kv_dtype == "fp8", args.archs.split(","))
+        configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None, fp8,
+                                args.archs.split(","))
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}")
                    for bn, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (2, 4))]
     else:
         configs = [parse_config(name) for name in args.configs.split(",")]
+    print(f"-- {shape.name}, KV cache {kv_dtype}, {layout}", flush=True)
     rows = []
     kv_bytes = 2 * total * hkv * d * k.element_size()
     for batch in map(int, args.batches.split(",")):
@@ -179,13 +209,13 @@ def main():
                     continue
                 frac = kv_bytes / (us * 1e-6) / copy_bw
                 rows.append(dict(config=cfg.name, policy=policy, deterministic=args.deterministic, shape=shape.name,
-                                 cache_layout=args.cache_layout,
+                                 kv_dtype=kv_dtype, cache_layout=layout,
                                  ctas=attn.num_ctas, T=total, q_len=q_len, B=batch, dist=dist, page=page,
                                  us=round(us, 2), frac_copy=round(frac, 4),
                                  max_diff_vs_first=f"{diff:.2e}"))
                 print(f"{cfg.name:24s} {policy:8s} C={attn.num_ctas:4d} B={batch:5d} {dist:9s} "
                       f"{us:9.1f} us {100 * frac:6.1f} % diff {diff:.1e}", flush=True)
-    write_csv(args.out, rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1017,6 +1017,19 @@ def test_startup_benchmark_alternates_the_build_modes_and_keeps_a_failed_point(t
     assert [(r["kind"], r["build_processes"]) for r in csv.DictReader(open(out))] == [("sglang-like", forked)]
 
 
+def test_tune_decode_sweeps_every_cache_dtype_and_layout_listed(capsys):
+    """--kv-dtype and --cache-layout take comma lists (one process sweeps each pair); an unknown
+    item is refused by name."""
+    from benchmarks import tune_decode
+    args = tune_decode.parse_args(["--out", "x.csv", "--kv-dtype", "fp8,auto", "--cache-layout", "vllm-hnd,token-major"])
+    assert args.kv_dtype == ("fp8", "auto") and args.cache_layout == ("vllm-hnd", "token-major")
+    default = tune_decode.parse_args(["--out", "x.csv"])
+    assert default.kv_dtype == ("auto",) and default.cache_layout == ("token-major",)
+    with pytest.raises(SystemExit):
+        tune_decode.parse_args(["--out", "x.csv", "--cache-layout", "token-major,nhd"])
+    assert "got 'nhd'" in capsys.readouterr().err
+
+
 def test_tune_decode_parses_config_names():
     from benchmarks import tune_decode
     cfg = tune_decode.parse_config("bn64-w4-s5-c3-r128")
