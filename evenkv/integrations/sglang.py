@@ -15,7 +15,9 @@ Speculative decoding (``--speculative-algorithm NGRAM | EAGLE | EAGLE3 | STANDAL
 model's verify batches run on evenkv (``speculative_verify``). The draft model's attention does
 not: SGLang builds a draft worker's backends from a fixed table of its own
 (``DraftBackendFactory``, ``sglang/srt/speculative/draft_utils.py``), so EAGLE-family drafts run
-on the backend named by ``--speculative-draft-attention-backend``.
+on the backend named by ``--speculative-draft-attention-backend``. Where evenkv is the target's
+backend and that flag is not given, ``register`` makes it ``triton`` (SGLang's plugin hook
+before ``ServerArgs.__post_init__``), so the target switches to evenkv with one flag.
 
 gpt-oss (``GptOssForCausalLM``; Gemma 4 and Llama 4 likewise) cannot select evenkv: SGLang
 asserts that both attention backends are in a list literal of built-in names (0.5.17:
@@ -28,12 +30,21 @@ Tested with SGLang 0.5.17 and 0.5.23.
 
 from __future__ import annotations
 
+import logging
 import os
 
 NAME = "evenkv"
 POLICY_ENV = "EVENKV_POLICY"
 # SGLang's names of the algorithms whose target-model verify evenkv runs (NEXTN is EAGLE's alias).
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+# Those with a draft model, and the SGLang backend its attention runs on unless the operator names
+# one: SGLang's Triton backend, which every GPU has (no extra package, no arch limit) and which
+# takes draft trees at any page size and the hybrid SWA pool.
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+DEFAULT_DRAFT_ATTENTION = "triton"
+SERVER_ARGS_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
+
+logger = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -46,8 +57,36 @@ def register() -> None:
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
     _declare_deterministic()
+    _hook_draft_attention_default()
     if ATTENTION_BACKENDS.get(NAME) is not create_backend:
         register_attention_backend(NAME)(create_backend)
+
+
+def _hook_draft_attention_default() -> None:
+    """Run ``default_draft_attention`` before every ``ServerArgs.__post_init__`` of this process
+    (SGLang's plugin hooks: registered while ``load_plugins`` runs this module's ``register``,
+    applied after it, before any ServerArgs is built). Once per process."""
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:  # an SGLang without plugin hooks: the draft worker's refusal names the flag
+        return
+    if not any(hook is default_draft_attention for _, hook, _ in HookRegistry._hooks.get(SERVER_ARGS_INIT, ())):
+        HookRegistry.register(SERVER_ARGS_INIT, default_draft_attention, HookType.BEFORE)
+
+
+def default_draft_attention(server_args, *args, **kwargs) -> None:
+    """Where evenkv serves a speculative target with a draft model and the operator named no
+    ``speculative_draft_attention_backend``, set it to DEFAULT_DRAFT_ATTENTION: SGLang would
+    otherwise look evenkv up in its draft backends' table and fail."""
+    algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
+    backends = {getattr(server_args, field, None)
+                for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend")}
+    if algorithm in DRAFT_MODEL_ALGORITHMS and NAME in backends and \
+            getattr(server_args, "speculative_draft_attention_backend", None) is None:
+        server_args.speculative_draft_attention_backend = DEFAULT_DRAFT_ATTENTION
+        logger.info("evenkv: the %s draft model's attention runs on SGLang's %s backend (SGLang builds draft "
+                    "backends from its own table; --speculative-draft-attention-backend picks another)",
+                    algorithm, DEFAULT_DRAFT_ATTENTION)
 
 
 def _declare_deterministic() -> None:
@@ -158,7 +197,7 @@ def _speculative_reasons(model_runner) -> list[str]:
         return ["the draft model of speculative decoding: SGLang builds a draft worker's attention backends "
                 "from a fixed table of its own (DraftBackendFactory, sglang/srt/speculative/draft_utils.py); "
                 "keep evenkv for the target model and pass --speculative-draft-attention-backend triton "
-                "(or fa3, flashinfer)"]
+                "(or fa3, flashinfer; triton is the default evenkv sets where none is given)"]
     if algorithm is None:
         return []
     if algorithm not in SPECULATIVE_ALGORITHMS:

@@ -17,6 +17,7 @@ torchvision) the inert stub in tests/stubs is put first on sys.path for this mod
 import argparse
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import math
 import sys
@@ -932,6 +933,36 @@ def speculative_world(page_size, lane, algorithm, q_len, topk=1, **kw):
     world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm=algorithm,
                                           speculative_num_draft_tokens=q_len, speculative_eagle_topk=topk)
     return world
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(attention_backend=plugin.NAME, speculative_algorithm="EAGLE"), "triton"),
+    (dict(decode_attention_backend=plugin.NAME, prefill_attention_backend="triton", speculative_algorithm="NEXTN"),
+     "triton"),
+    (dict(attention_backend=plugin.NAME, speculative_algorithm="EAGLE", speculative_draft_attention_backend="flashinfer"),
+     "flashinfer"),  # the operator's choice stays
+    (dict(attention_backend="triton", speculative_algorithm="EAGLE"), None),  # not evenkv's target
+], ids=["eagle", "nextn-decode-only", "named", "other-target"])
+def test_draft_model_attention_defaults_to_triton_under_an_evenkv_target(kw, expected, tmp_path):
+    """SGLang builds a draft model's attention from its own table, which has no evenkv: with evenkv
+    as the target's backend and no --speculative-draft-attention-backend, the plugin's hook on
+    ServerArgs.__post_init__ (applied by load_plugins, as in every SGLang process) names triton,
+    so EAGLE starts with one flag. A real ServerArgs, built as the CLI and Engine build it."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    assert plugin.SERVER_ARGS_INIT in HookRegistry._patched
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)))
+    args = ServerArgs(model_path=str(model), speculative_draft_model_path=str(model), speculative_num_steps=3,
+                      speculative_eagle_topk=1, speculative_num_draft_tokens=4, skip_tokenizer_init=True, device="cpu",
+                      **kw)
+    assert args.speculative_draft_attention_backend == expected
+    plugin.register()  # idempotent: one hook however often SGLang loads the plugin
+    assert [h for _, h, _ in HookRegistry._hooks[plugin.SERVER_ARGS_INIT]].count(plugin.default_draft_attention) == 1
 
 
 def test_speculative_verify_config():
