@@ -36,6 +36,10 @@ Modes:
                lookup finds matches from the first step; with random weights most drafts are
                rejected, which still verifies them. RESULT adds per backend how many
                request-steps brought more than one token (vLLM) or the verify steps (SGLang).
+  --spec-draft K  speculative decoding with the model as its own draft model (vLLM
+               ``method="draft_model"``, SGLang ``STANDALONE`` with K steps in a chain): the
+               drafts, greedy from the same weights, are mostly accepted, so every verify row
+               counts; SGLang's draft attention backend is left for evenkv's plugin to name.
 
 Decode step time: vLLM, each ``LLMEngine.step()`` in which every running request was
 already decoding (wall clock, synchronous scheduling, no prefix caching). SGLang (whose
@@ -82,6 +86,8 @@ def parse_args(argv=None):
     ap.add_argument("--spec-ngram", type=int, default=0, metavar="K",
                     help="n-gram speculative decoding with K draft tokens (0: off)")
     ap.add_argument("--spec-block", type=int, default=16, help="--spec-ngram: the repeated block of each prompt")
+    ap.add_argument("--spec-draft", type=int, default=0, metavar="K",
+                    help="speculative decoding with the model as its own draft model, K draft tokens (0: off)")
     ap.add_argument("--spec-breadth", type=int, default=1,
                     help="--spec-ngram, SGLang: the n-gram draft tree's breadth (1: a chain; more: branching trees)")
     ap.add_argument("--skewed", action="store_true", help="decode step time, one long prompt beside short ones")
@@ -135,6 +141,13 @@ def make_prompts(lens, vocab: int, seed: int, block: int = 0) -> list[list[int]]
         return [torch.randint(VOCAB_LOW, vocab, (int(n),), generator=g).tolist() for n in lens]
     return [(torch.randint(VOCAB_LOW, vocab, (block,), generator=g).tolist() * (int(n) // block + 1))[:int(n)]
             for n in lens]
+
+
+def spec_tokens(a) -> int:
+    """Draft tokens per request and step under --spec-ngram or --spec-draft (0: no speculation)."""
+    if a.spec_ngram and a.spec_draft:
+        sys.exit("compare.py: --spec-ngram and --spec-draft are two kinds of speculation; pass one")
+    return a.spec_ngram or a.spec_draft
 
 
 def workloads(a, vocab: int) -> dict:
@@ -193,7 +206,7 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
         kw["block_size"] = a.page_size
     if a.graphs:
         # Graph sizes count tokens: a speculative decode step holds 1 + K per request.
-        per_request = 1 + a.spec_ngram
+        per_request = 1 + spec_tokens(a)
         sizes = [s * per_request for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < max_num_seqs]
         sizes.append(max_num_seqs * per_request)
         # Full graphs of decode steps without torch.compile: what the backend's
@@ -206,6 +219,8 @@ def vllm_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_batc
     if a.spec_ngram:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": a.spec_ngram,
                                     "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    elif a.spec_draft:
+        kw["speculative_config"] = {"method": "draft_model", "model": a.model, "num_speculative_tokens": a.spec_draft}
     return LLM(**kw)
 
 
@@ -282,6 +297,12 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
         # draft tokens.
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.spec_ngram + 1,
                   speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=a.spec_breadth)
+    elif a.spec_draft:
+        # A chain of K drafts from the model itself; the draft's attention backend is left unnamed,
+        # as an operator switching to evenkv with one flag leaves it.
+        kw.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=a.model,
+                  speculative_num_steps=a.spec_draft, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=a.spec_draft + 1)
     kw.update(extra or {})
     return sglang.Engine(**kw)
 
@@ -324,7 +345,8 @@ def run_backend(a) -> dict:
     # Whole prompts in one step, so the skewed run's decode steps start right after prefill.
     max_batched = min(max(8192, max(sum(len(p) for p in ps) for ps, _ in wl.values())), 1 << 17)
     backend = BACKENDS[a.engine].get(a.backend, a.backend)
-    res = {"engine": a.engine, "backend": backend, "graphs": a.graphs, "runner": a.runner, "spec_ngram": a.spec_ngram}
+    res = {"engine": a.engine, "backend": backend, "graphs": a.graphs, "runner": a.runner, "spec_ngram": a.spec_ngram,
+           "spec_draft": a.spec_draft}
     t = time.time()
     if a.engine == "vllm":
         import vllm
@@ -409,7 +431,8 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            "--seed", str(a.seed), "--mem", str(a.mem), "--runner", a.runner, "--kv-cache-dtype", a.kv_cache_dtype,
            "--page-size", str(a.page_size),
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path,
-           "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block), "--spec-breadth", str(a.spec_breadth)]
+           "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block), "--spec-breadth", str(a.spec_breadth),
+           "--spec-draft", str(a.spec_draft)]
     if a.compare:
         cmd.append("--compare")
     if a.skewed:
@@ -469,7 +492,7 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
         ok &= runs[name]["rerun_same"] and (fp8 or (bad == 0 and max_dlp <= a.lp_tol))
         fields += [f"{name}_hf_top1={agree}/{total}", f"{name}_hf_near_ties={near}", f"{name}_hf_bad={bad}",
                    f"{name}_hf_max_lp_diff={max_dlp:.4f}", f"{name}_rerun_same={int(runs[name]['rerun_same'])}"]
-        fields += [f"{name}_{k}={v}" for k, v in sorted(runs[name].get("spec", {}).items()) if a.spec_ngram]
+        fields += [f"{name}_{k}={v}" for k, v in sorted(runs[name].get("spec", {}).items()) if spec_tokens(a)]
     # evenkv vs the baseline: same tokens up to the first divergence; a divergence must be a
     # near-tie under HF (the contexts are equal up to there, so HF's row is shared).
     same = total = divergences = tie_divergences = 0
@@ -549,7 +572,7 @@ def main(argv=None) -> int:
     ev = run_child(a, "evenkv", csv)
     tr = run_child(a, a.baseline, csv)
     head = (f"engine={a.engine}-{ev['engine_version']} baseline={tr['backend']} graphs={a.graphs} runner={a.runner} "
-            f"kv={a.kv_cache_dtype} spec_ngram={a.spec_ngram} page_size={a.page_size or 'default'}")
+            f"kv={a.kv_cache_dtype} spec_ngram={a.spec_ngram} spec_draft={a.spec_draft} page_size={a.page_size or 'default'}")
     ok = True
     if a.compare:
         fields, ok_c = compare_report(a, ev, tr)

@@ -22,6 +22,8 @@
 #   invariance-default  the same with FLASH_ATTN (FA3, one split in this mode; needs the peers kit)
 #   spec-ngram  --compare with n-gram speculation (3 draft tokens), CUDA graphs: evenkv vs FLASH_ATTN
 #           (TRITON_ATTN without the peers kit) vs HF
+#   spec-draft  the same with the model as its own draft model (method "draft_model", 3 draft tokens), whose
+#           drafts are mostly accepted: evenkv runs the draft model's attention too
 #   openai  the operator's path (tests/e2e/openai_server.py): `vllm serve MODEL --attention-backend CUSTOM`
 #           with a tokenizer built here, 256 requests 32 at a time on /v1/completions and
 #           /v1/chat/completions, streamed and not, evenkv's kernel line in the log, stop by PID
@@ -107,10 +109,12 @@ for s in ${@:-eager graphs pytest v2}; do
         --engine vllm --backend default ;;
     spec-ngram) model && run_step spec-ngram 300 120 python3 "$EX" "$MODEL" --graphs 1 --compare --spec-ngram 3 \
       --baseline "$(baseline)" ;;
+    spec-draft) model && run_step spec-draft 300 120 python3 "$EX" "$MODEL" --graphs 1 --compare --spec-draft 3 \
+      --baseline "$(baseline)" ;;
     openai) model && (serve_wheels && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" \
       --engine vllm --log "$L/openai-server.log") ;;
     *) echo "unknown step $s (eager | graphs | pytest | v2 | window | fp8 | hnd | gpt-oss | invariance |" \
-         "invariance-default | spec-ngram | openai)"; exit 2 ;;
+         "invariance-default | spec-ngram | spec-draft | openai)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
