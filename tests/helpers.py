@@ -71,6 +71,23 @@ def assert_extend_close_to_reference(out, q, k_cache, v_cache, cu_seqlens_q, seq
     return err, bound
 
 
+# The per-tensor scales of the tests' FP8 caches (real = stored x scale).
+K_SCALE, V_SCALE = 0.05, 0.04
+
+
+def call_terms(terms: dict, k_cache, v_cache, device):
+    """The per-call side of a test's layer ``terms``: "sinks" (logits for 4 query heads) and
+    "fp8" (the caches quantized to e4m3 with K_SCALE and V_SCALE). Returns (k_cache, v_cache,
+    the run's keywords)."""
+    run = {}
+    if terms.get("sinks"):
+        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
+    if terms.get("fp8"):
+        k_cache, v_cache = fp8_caches(k_cache, v_cache, K_SCALE, V_SCALE)
+        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    return k_cache, v_cache, run
+
+
 def fp8_caches(k_cache, v_cache, k_scale: float, v_scale: float):
     """The same caches quantized to e4m3 (stored = real / scale), as write_kv stores them."""
     k8 = torch.empty_like(k_cache, dtype=torch.float8_e4m3fn)

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import evenkv
-from helpers import fp8_caches
+from helpers import K_SCALE, V_SCALE, fp8_caches
 from test_verify import verify_batch
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
-K_SCALE, V_SCALE = 0.05, 0.04
 LAYOUTS = ["nhd", "hnd", "cross-layer", "head-outer", "vllm-hnd-halves"]
 
 

@@ -8,13 +8,12 @@ import torch
 
 import evenkv
 from evenkv.kernels.reference import kv_write_reference
-from helpers import assert_close_to_reference, fp8_caches, make_paged_batch
+from helpers import K_SCALE, V_SCALE, assert_close_to_reference, call_terms, fp8_caches, make_paged_batch
 
 FP8 = torch.float8_e4m3fn
 HQ, HKV, D, PAGE = 4, 2, 64, 16
 # A long request cut across CTAs, a page-boundary one, one inside any window, an empty row.
 LENS = [150, 32, 5, 0, 77]
-K_SCALE, V_SCALE = 0.05, 0.04
 FEATURES = {
     "window": dict(sliding_window=40),
     "window_1": dict(sliding_window=1),
@@ -28,12 +27,7 @@ FEATURES = {
 def _run_case(device, policy, features, *, dtype=torch.bfloat16, deterministic=None):
     q, kc, vc, seq_lens, pt = make_paged_batch(LENS, HQ, HKV, D, PAGE, dtype, device, seed=3)
     layer = dict(sliding_window=features.get("sliding_window"), logit_cap=features.get("logit_cap"))
-    run = {}
-    if features.get("sinks"):
-        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
-    if features.get("fp8"):
-        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
-        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    kc, vc, run = call_terms(features, kc, vc, device)
     attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, dtype, device, 8, pt.shape[1], policy, num_ctas=5,
                                   kv_dtype=kc.dtype, deterministic=deterministic, **layer)
     out = attn.run(attn.plan(seq_lens, pt), q, kc, vc, **run)

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import evenkv
-from helpers import (assert_close_to_reference, assert_extend_close_to_reference, fp8_caches, make_paged_batch,
-                     max_error)
+from helpers import (K_SCALE, V_SCALE, assert_close_to_reference, assert_extend_close_to_reference, call_terms,
+                     fp8_caches, make_paged_batch, max_error)
 
-K_SCALE, V_SCALE = 0.05, 0.04
 # (request lengths, query tokens of each): a long request cut across CTAs, a short one, one
 # of a single token, a padding row (seq_len 0) that keeps two q rows, a request of no query.
 LENS = [150, 9, 40, 0, 33]
@@ -144,12 +143,7 @@ def test_tree_masks_under_a_window(device, policy, deterministic, terms):
     index = [t for n in q_lens for t in range(n)]
     assert any(dp < t for dp, t in zip(depths, index)), "no token whose depth differs from its index"
     tree = torch.tensor(masks, dtype=torch.int32, device=device)
-    run = {}
-    if terms.get("sinks"):
-        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
-    if terms.get("fp8"):
-        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
-        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    kc, vc, run = call_terms(terms, kc, vc, device)
     attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, max_q_len=6, tree_masks=True, deterministic=deterministic,
                  kv_dtype=kc.dtype, sliding_window=window, logit_cap=terms.get("logit_cap"))
     out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=6, tree_mask=tree), q, kc, vc, **run)
@@ -171,12 +165,7 @@ def test_layer_terms(device, policy, deterministic, terms):
     hq, hkv, d, ps, dtype = 4, 2, 64, 16, torch.bfloat16
     q, kc, vc, seq_lens, pt, cu = verify_batch(LENS, Q_LENS, hq, hkv, d, ps, dtype, device, seed=6)
     layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))
-    run = {}
-    if terms.get("sinks"):
-        run["sinks"] = torch.tensor([0.5, -1.0, 3.0, 0.0], device=device)
-    if terms.get("fp8"):
-        kc, vc = fp8_caches(kc, vc, K_SCALE, V_SCALE)
-        run.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    kc, vc, run = call_terms(terms, kc, vc, device)
     attn = _attn(device, hq, hkv, d, ps, dtype, pt, policy, deterministic=deterministic, kv_dtype=kc.dtype, **layer)
     out = attn.run(attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=4), q, kc, vc, **run)
     assert_extend_close_to_reference(out, q, kc, vc, cu, seq_lens, pt, ps, **layer, **run)
