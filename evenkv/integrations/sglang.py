@@ -17,7 +17,7 @@ not: SGLang builds a draft worker's backends from a fixed table of its own
 (``DraftBackendFactory``, ``sglang/srt/speculative/draft_utils.py``), so EAGLE-family drafts run
 on the backend named by ``--speculative-draft-attention-backend``. Where evenkv is the target's
 backend and that flag is not given, ``register`` makes it ``triton`` (SGLang's plugin hook
-before ``ServerArgs.__post_init__``), so the target switches to evenkv with one flag.
+before a ServerArgs is resolved), so the target switches to evenkv with one flag.
 
 gpt-oss (``GptOssForCausalLM``; Gemma 4 and Llama 4 likewise) cannot select evenkv: SGLang
 asserts that both attention backends are in a list literal of built-in names (0.5.17:
@@ -42,7 +42,6 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 # takes draft trees at any page size and the hybrid SWA pool.
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 DEFAULT_DRAFT_ATTENTION = "triton"
-SERVER_ARGS_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +61,27 @@ def register() -> None:
         register_attention_backend(NAME)(create_backend)
 
 
+def server_args_resolution() -> str:
+    """The ServerArgs method that resolves a record from its raw fields, as a hook target:
+    ``resolve_once`` where SGLang has it (0.5.23: launchers call it; construction only records),
+    else ``__post_init__`` (0.5.17: construction resolves)."""
+    from sglang.srt.server_args import ServerArgs
+
+    method = "resolve_once" if hasattr(ServerArgs, "resolve_once") else "__post_init__"
+    return f"sglang.srt.server_args.ServerArgs.{method}"
+
+
 def _hook_draft_attention_default() -> None:
-    """Run ``default_draft_attention`` before every ``ServerArgs.__post_init__`` of this process
+    """Run ``default_draft_attention`` before every ServerArgs of this process is resolved
     (SGLang's plugin hooks: registered while ``load_plugins`` runs this module's ``register``,
     applied after it, before any ServerArgs is built). Once per process."""
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except ImportError:  # an SGLang without plugin hooks: the draft worker's refusal names the flag
         return
-    if not any(hook is default_draft_attention for _, hook, _ in HookRegistry._hooks.get(SERVER_ARGS_INIT, ())):
-        HookRegistry.register(SERVER_ARGS_INIT, default_draft_attention, HookType.BEFORE)
+    target = server_args_resolution()
+    if not any(hook is default_draft_attention for _, hook, _ in HookRegistry._hooks.get(target, ())):
+        HookRegistry.register(target, default_draft_attention, HookType.BEFORE)
 
 
 def default_draft_attention(server_args, *args, **kwargs) -> None:

@@ -945,13 +945,15 @@ def speculative_world(page_size, lane, algorithm, q_len, topk=1, **kw):
 ], ids=["eagle", "nextn-decode-only", "named", "other-target"])
 def test_draft_model_attention_defaults_to_triton_under_an_evenkv_target(kw, expected, tmp_path):
     """SGLang builds a draft model's attention from its own table, which has no evenkv: with evenkv
-    as the target's backend and no --speculative-draft-attention-backend, the plugin's hook on
-    ServerArgs.__post_init__ (applied by load_plugins, as in every SGLang process) names triton,
-    so EAGLE starts with one flag. A real ServerArgs, built as the CLI and Engine build it."""
+    as the target's backend and no --speculative-draft-attention-backend, the plugin's hook before
+    a ServerArgs is resolved (applied by load_plugins, as in every SGLang process) names triton,
+    so EAGLE starts with one flag. A real ServerArgs, built and resolved as the CLI and Engine
+    do (0.5.17 resolves in __post_init__, 0.5.23 in resolve_once)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
 
-    assert plugin.SERVER_ARGS_INIT in HookRegistry._patched
+    target = plugin.server_args_resolution()
+    assert target in HookRegistry._patched
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(dict(
@@ -960,9 +962,11 @@ def test_draft_model_attention_defaults_to_triton_under_an_evenkv_target(kw, exp
     args = ServerArgs(model_path=str(model), speculative_draft_model_path=str(model), speculative_num_steps=3,
                       speculative_eagle_topk=1, speculative_num_draft_tokens=4, skip_tokenizer_init=True, device="cpu",
                       **kw)
+    if hasattr(args, "resolve_once"):
+        args.resolve_once()
     assert args.speculative_draft_attention_backend == expected
     plugin.register()  # idempotent: one hook however often SGLang loads the plugin
-    assert [h for _, h, _ in HookRegistry._hooks[plugin.SERVER_ARGS_INIT]].count(plugin.default_draft_attention) == 1
+    assert [h for _, h, _ in HookRegistry._hooks[target]].count(plugin.default_draft_attention) == 1
 
 
 def test_speculative_verify_config():
