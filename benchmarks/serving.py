@@ -119,14 +119,13 @@ CHUNK_TOKENS = 16384  # tokens per engine step (chunked prefill), both engines
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "rope_theta": 1000000.0,
          "use_sliding_window": False}
 MELLUM_LAYERS = 28
-# Mellum's config (transformers' MellumConfig, as its to_dict writes it): layer_types route each
-# layer to a window or full attention, mlp_layer_types to a dense or MoE MLP.
+# Mellum's config (transformers' MellumConfig fields): layer_types route each layer to a window
+# or full attention, mlp_layer_types to a dense or MoE MLP (dense here, so no expert fields).
 MELLUM = {"architectures": ["MellumForCausalLM"], "model_type": "mellum", "vocab_size": 98304, "sliding_window": 1024,
           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
           "layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(MELLUM_LAYERS)],
-          "mlp_layer_types": ["dense"] * MELLUM_LAYERS, "num_local_experts": 64, "num_experts_per_tok": 8,
-          "moe_intermediate_size": 896, "norm_topk_prob": True}
+          "mlp_layer_types": ["dense"] * MELLUM_LAYERS}
 SHAPES = {
     "qwen3-8b": dict(QWEN3, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36),

@@ -30,7 +30,7 @@ import sys
 import torch
 
 import evenkv
-from benchmarks.decode_imbalance import SHAPES, GpuTimer, copy_bandwidth
+from benchmarks.decode_imbalance import SHAPES, GpuTimer, copy_bandwidth, parse_choice_list
 from evenkv.configs import DecodeConfig, many_segments_config
 from evenkv.kernels.decode_launch import tile_rows
 
@@ -131,10 +131,10 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,8,64,512,2048")
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
-    ap.add_argument("--kv-dtype", type=choice_list(KV_DTYPES), default=("auto",),
-                    help="a comma list of auto, fp8: each a sweep of its own in this process")
-    ap.add_argument("--cache-layout", type=choice_list(CACHE_LAYOUTS), default=("token-major",),
-                    help=f"a comma list of {', '.join(CACHE_LAYOUTS)}: each a sweep of its own in this process")
+    ap.add_argument("--kv-dtype", type=parse_choice_list(KV_DTYPES), default=("auto",),
+                    help="a comma list of auto, fp8 (or all): each a sweep of its own in this process")
+    ap.add_argument("--cache-layout", type=parse_choice_list(CACHE_LAYOUTS), default=("token-major",),
+                    help=f"a comma list of {', '.join(CACHE_LAYOUTS)} (or all): each a sweep of its own in this process")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--configs", default="grid",
@@ -154,17 +154,6 @@ def main():
     for kv_dtype, layout in itertools.product(args.kv_dtype, args.cache_layout):
         rows += sweep(args, kv_dtype, layout, timer, copy_bw)
     write_csv(args.out, rows)
-
-
-def choice_list(choices):
-    """An argparse type: a comma list of ``choices``, as a tuple."""
-    def parse(text):
-        items = tuple(text.split(","))
-        bad = [item for item in items if item not in choices]
-        if bad:
-            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}, got {bad[0]!r}")
-        return items
-    return parse
 
 
 def sweep(args, kv_dtype, layout, timer, copy_bw):

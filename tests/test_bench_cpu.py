@@ -1027,7 +1027,8 @@ def test_tune_decode_sweeps_every_cache_dtype_and_layout_listed(capsys):
     assert default.kv_dtype == ("auto",) and default.cache_layout == ("token-major",)
     with pytest.raises(SystemExit):
         tune_decode.parse_args(["--out", "x.csv", "--cache-layout", "token-major,nhd"])
-    assert "got 'nhd'" in capsys.readouterr().err
+    assert "got 'token-major,nhd'" in capsys.readouterr().err
+    assert tune_decode.parse_args(["--out", "x.csv", "--cache-layout", "all"]).cache_layout == tune_decode.CACHE_LAYOUTS
 
 
 def test_tune_decode_parses_config_names():
