@@ -40,7 +40,9 @@ class PrefillKernel(Protocol):
     the extend rows of a batch instead of evenkv's Triton extend kernel (``prefill_kernel=``).
 
     Called once per layer with the batch's extend rows only, causal, every position read
-    from the cache (both engines write the new tokens' K/V before attention):
+    from the cache (both engines write the new tokens' K/V before attention), on rows evenkv
+    has bounded (``Attention._guard_prefill_rows``: q rows inside q, lengths at least the q
+    length and inside the page table, every page below a length inside the cache):
     q, out [T, Hq, D]; k_cache, v_cache [num_pages, page_size, Hkv, D] in q's dtype (any
     strides, unit stride in D), or float8_e4m3fn where q's dtype is in ``fp8_cache_dtypes``;
     cu_seqlens_q [E + 1] int32 from 0; seq_lens [E] int32 (KV length including the new
@@ -88,8 +90,8 @@ def engine_prefill_wanted() -> bool:
 @dataclass(frozen=True, eq=False)
 class DelegatedExtend:
     """The extend rows [first_row, ...) of a batch, as the prefill kernel takes them:
-    cu_seqlens_q [E + 1] int32 from 0, seq_lens [E] int32, page_table [E, max_pages] int32,
-    host bounds max_q_len and max_seq_len."""
+    cu_seqlens_q [E + 1] int32 from 0, seq_lens [E] int32 (both written, bounded, at the plan's
+    first run), page_table [E, max_pages] int32, host bounds max_q_len and max_seq_len."""
 
     first_row: int
     cu_seqlens_q: torch.Tensor
@@ -192,8 +194,12 @@ class Attention:
         self.prefill_kernel, self.prefill_reason = self._choose_prefill(prefill_kernel)
         self.decode_reason = self._describe_decode()
         if self.prefill_kernel is not None:
+            # The prefill kernel's rows and lengths (``guard_prefill_rows_kernel``), and the
+            # page audit's copy of the lengths.
             self._cu_extend = torch.zeros(max_batch_size + 1, **i32)
             self._lens_extend = torch.zeros(max_batch_size, **i32)
+            self._lens_extend_audit = torch.zeros(max_batch_size, **i32)
+        self._guarded: tuple | None = None  # (q rows, cache pages) the latest plan's prefill rows were bounded for
         self._plan: AttentionPlan | None = None
         self._plans = PlanRecord("Attention")
         self.warmed_up = False  # set by warmup()
@@ -257,9 +263,18 @@ class Attention:
                    if self._extend_config is not None else extend_configs(self.arch, self.head_dim, self.group_size))
         for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
-                plan_launch.launch_audit_pages(torch.zeros(block_b, dtype=dtype, device=dev), self._cu, page_table,
-                                               self._errors, 1, self.page_size, self._audit_grid, self.max_batch_size,
-                                               warmup=True)
+                lens = torch.zeros(block_b, dtype=dtype, device=dev)
+                plan_launch.launch_audit_pages(lens, self._cu, page_table, self._errors, 1, self.page_size,
+                                               self._audit_grid, self.max_batch_size, warmup=True)
+                if self.prefill_kernel is not None:
+                    plan_launch.launch_guard_prefill_rows(
+                        self._cu, lens, self._cu_extend, self._lens_extend, self._lens_extend_audit, self._errors,
+                        first_row=0, total_rows=1, max_q_len=1, capacity=1, max_batch_size=self.max_batch_size,
+                        warmup=True)
+            if self.prefill_kernel is not None:
+                plan_launch.launch_audit_pages(self._lens_extend_audit[:block_b], self._cu_extend, page_table,
+                                               self._errors, 1, self.page_size, self._audit_grid,
+                                               self.max_batch_size, bad_row_lens=self._lens_extend, warmup=True)
         for config in configs:
             for dtype in index_dtypes:
                 lens = torch.zeros(1, dtype=dtype, device=dev)
@@ -333,14 +348,10 @@ class Attention:
         req_begin = num_decodes if use_decode else 0
         if req_begin < batch and self.prefill_kernel is not None:
             rows = batch - req_begin
-            cu = self._cu_extend[:rows + 1]
-            cu.copy_(cu32[req_begin:])
-            cu.sub_(cu32[req_begin])
-            lens = self._lens_extend[:rows]
-            lens.copy_(seq_lens[req_begin:])
             bound = max_seq_len if max_seq_len is not None else page_table.shape[1] * self.page_size
-            delegated = DelegatedExtend(num_decode_tokens, cu, lens, page_table[req_begin:], max(max_q_len, 1),
-                                        bound)
+            # Filled at the first run (``_guard_prefill_rows``), which knows q's rows and the cache's pages.
+            delegated = DelegatedExtend(num_decode_tokens, self._cu_extend[:rows + 1], self._lens_extend[:rows],
+                                        page_table[req_begin:], max(max_q_len, 1), bound)
         elif req_begin < batch:
             q_bound = max(max_q_len, 1 if num_decodes else 0)
             config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
@@ -351,6 +362,7 @@ class Attention:
         self._plan = self._plans.add(AttentionPlan(batch, num_decodes, num_decode_tokens, decode_plan, extend_plan,
                                                    delegated, seq_lens, page_table, cu32))
         self._audit_pending = True
+        self._guarded = None
         return self._plan
 
     def _decode_tokens(self, num_decodes: int, decode_q_len, num_decode_tokens) -> int:
@@ -424,12 +436,35 @@ class Attention:
                        k_scale=terms.k_scale, v_scale=terms.v_scale)
         if plan.delegated is not None:
             d = plan.delegated
+            if self._guarded != (total_q, k_cache.shape[0]):
+                self._guard_prefill_rows(plan, total_q, k_cache.shape[0])
             self.prefill_kernel(q[d.first_row:], k_cache, v_cache, out[d.first_row:], cu_seqlens_q=d.cu_seqlens_q,
                                 seq_lens=d.seq_lens, page_table=d.page_table, max_q_len=d.max_q_len,
                                 max_seq_len=d.max_seq_len, sm_scale=terms.sm_scale, sliding_window=self.sliding_window,
                                 logit_cap=self.logit_cap, sinks=terms.sinks, k_scale=terms.k_scale,
                                 v_scale=terms.v_scale)
         return out
+
+    def _guard_prefill_rows(self, plan: AttentionPlan, total_q: int, num_pages: int) -> None:
+        """Bound the extend rows the engine's prefill kernel takes (whose own kernels trust their
+        batch data) as evenkv's kernels bound theirs, on the device: q rows inside q's
+        ``total_q``, lengths raised to their q lengths and inside the page table, and a request
+        with a page id outside the cache's ``num_pages`` given no keys, each flagged in the
+        error flag (``guard_prefill_rows_kernel``). The audit here checks every entry below a
+        request's length, window or not: the prefill kernel may load keys before a window it
+        then masks. Once per plan and q size."""
+        d, begin = plan.delegated, plan.num_decodes
+        rows = plan.batch_size - begin
+        capacity = d.page_table.shape[1] * self.page_size
+        lens_audit = self._lens_extend_audit[:rows]
+        plan_launch.launch_guard_prefill_rows(
+            plan.cu_seqlens_q[begin:], plan.seq_lens[begin:], d.cu_seqlens_q, d.seq_lens, lens_audit, self._errors,
+            first_row=d.first_row, total_rows=total_q - d.first_row, max_q_len=d.max_q_len, capacity=capacity,
+            max_batch_size=self.max_batch_size)
+        plan_launch.launch_audit_pages(lens_audit, d.cu_seqlens_q, d.page_table, self._errors, num_pages,
+                                       self.page_size, self._audit_grid, self.max_batch_size,
+                                       bad_row_lens=d.seq_lens)
+        self._guarded = (total_q, num_pages)
 
 
 __all__ = ["Attention", "AttentionPlan", "PrefillKernel", "PREFILL_ENV", "engine_prefill_wanted"]

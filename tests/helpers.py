@@ -116,6 +116,8 @@ def specialization_key(kernel, args, kwargs) -> tuple:
     fn = getattr(kernel, "fn", kernel)
     options = getattr(kernel, "kwargs", None) or {}
     dont = set(options.get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or ())
+    unaligned = set(options.get("do_not_specialize_on_alignment")
+                    or getattr(kernel, "do_not_specialize_on_alignment", None) or ())
     params = inspect.signature(fn).parameters
     bound = dict(zip(params, args))
     bound.update({k: v for k, v in kwargs.items() if k in params})
@@ -125,7 +127,7 @@ def specialization_key(kernel, args, kwargs) -> tuple:
         if "constexpr" in str(param.annotation):
             parts.append((name, value))
         elif isinstance(value, torch.Tensor):
-            parts.append((name, value.dtype, value.data_ptr() % 16 == 0))
+            parts.append((name, value.dtype) if name in unaligned else (name, value.dtype, value.data_ptr() % 16 == 0))
         elif isinstance(value, bool) or value is None:
             parts.append((name, value))
         elif isinstance(value, int):

@@ -145,7 +145,7 @@ def test_write_kv_debug_checks_slots(device, monkeypatch):
 
 LAUNCHERS = {"decode_launch": ("launch_decode_stream", "launch_merge_stream", "launch_decode_units",
                                "launch_merge_units", "launch_kv_write"),
-             "plan_launch": ("launch_plan_stream", "launch_audit_pages")}
+             "plan_launch": ("launch_plan_stream", "launch_audit_pages", "launch_guard_prefill_rows")}
 
 
 @pytest.fixture

@@ -507,7 +507,9 @@ PLANNING_KERNELS = [
     ("evenkv.kernels.plan:plan_stream_kernel", dict(NUM_KV_HEADS=4, BLOCK_N=64, BLOCK_B=2048, BLOCK_C=8, MULTI_Q=True,
                                                     DETERMINISTIC=True, MIN_CHUNK_TILES=8, MAX_CHUNKS=512,
                                                     WHOLE_CHUNKS=8), 8),
-    ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256), 4),
+    ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256, ZERO_BAD_ROWS=False), 4),
+    ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=2048, BLOCK_E=256, ZERO_BAD_ROWS=True), 4),
+    ("evenkv.kernels.plan:guard_prefill_rows_kernel", dict(BLOCK_B=2048), 4),
     ("evenkv.kernels.plan:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
     ("evenkv.kernels.kv_write:kv_write_kernel",
      dict(PAGE_SIZE=16, NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),
@@ -526,7 +528,8 @@ def test_fp8_kv_write_compiles_for_sm90():
 
 @pytest.mark.parametrize("cap", [90, 80])
 @pytest.mark.parametrize("kernel,consts,warps", PLANNING_KERNELS,
-                         ids=[k.split(":")[1] + ("-det" if c.get("DETERMINISTIC") else "") for k, c, _ in PLANNING_KERNELS])
+                         ids=[k.split(":")[1] + ("-det" if c.get("DETERMINISTIC") else "")
+                              + ("-zero" if c.get("ZERO_BAD_ROWS") else "") for k, c, _ in PLANNING_KERNELS])
 def test_planning_and_write_kernels_compile_for_cuda(kernel, consts, warps, cap):
     """The kernels around the attention ones compile for sm_90a and sm_80 (on the CPU, with
     Triton's bundled ptxas): the interpreter runs Python, and accepts code the compiler does not."""

@@ -174,6 +174,94 @@ def test_attention_audits_once_per_plan(device):
     assert torch.isfinite(out).all() and _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE]}
 
 
+class BoundsCheckingPrefill:
+    """An engine prefill kernel that trusts its batch data, as FA3 does: it records every read
+    or write its arguments would send outside q, out, the page table or the caches (q and out
+    rows from cu_seqlens_q, page-table entries below each seq_len, the pages they name), then
+    runs the reference on them."""
+
+    name = "bounds-checking reference prefill"
+    fp8_cache_dtypes = ()
+
+    def __init__(self):
+        self.violations, self.calls = [], []
+
+    def takes_sinks(self, num_q_heads):
+        return True
+
+    def invariant(self):
+        return None
+
+    def __call__(self, q, k_cache, v_cache, out, *, cu_seqlens_q, seq_lens, page_table, max_q_len, max_seq_len,
+                 sm_scale, sliding_window, logit_cap, sinks, k_scale=1.0, v_scale=1.0):
+        cu, lens, page = cu_seqlens_q.tolist(), seq_lens.tolist(), k_cache.shape[1]
+        self.calls.append(dict(cu=cu, lens=lens))
+        if cu[0] < 0 or cu[-1] > q.shape[0] or any(a > b for a, b in zip(cu, cu[1:])):
+            self.violations.append(f"q rows {cu} of {q.shape[0]}")
+        for r, n in enumerate(lens):
+            if not 0 <= n <= page_table.shape[1] * page:
+                self.violations.append(f"request {r}: length {n} past the page table")
+                continue
+            pages = page_table[r, :-(-n // page)]
+            if ((pages < 0) | (pages >= k_cache.shape[0])).any():
+                self.violations.append(f"request {r}: pages {pages.tolist()} of {k_cache.shape[0]}")
+        if self.violations:
+            return
+        ref = extend_reference(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, page, sm_scale=sm_scale,
+                               sliding_window=sliding_window, logit_cap=logit_cap, sinks=sinks)
+        out[cu[0]:cu[-1]] = ref[cu[0]:cu[-1]].to(out.dtype)
+
+
+@pytest.mark.parametrize("case", ["page", "page-before-window", "length", "rows", "order", "below", "negative",
+                                  "first-row"])
+def test_engine_prefill_kernel_gets_bounded_rows(device, case):
+    """The extend rows ``Attention`` hands an engine's prefill kernel (FA3, which dereferences
+    whatever its arguments say) are bounded as evenkv's own kernels bound theirs: q rows inside
+    q, lengths raised to q_len and inside the page table, a request with a page id outside the
+    cache given no keys (zeros); each is flagged, and the other requests are right."""
+    b = _extend_batch(device, False)
+    window = 4 if case == "page-before-window" else None
+    pt, seq, cu, q, num_decodes = b["pt"].clone(), b["seq"].clone(), b["cu"].clone(), b["q"], 0
+    want = extend_reference(q, b["k"], b["v"], cu, seq, pt, PAGE, sliding_window=window)
+    good, reason = [1, 2], errors.QUERY_OUT_OF_RANGE
+    if case in ("page", "page-before-window"):
+        pt[0, 0] = -7  # request 0 (45 tokens): under the 4-token window, a page its rows never see
+        reason = errors.PAGE_OUT_OF_RANGE
+    elif case == "length":
+        seq[0] = 10**6  # past the page table, into its garbage tail: no keys either
+        reason = errors.LENGTH_OUT_OF_RANGE
+    elif case == "rows":
+        cu[3] = 10**6
+        good = [0, 1]
+    elif case == "order":
+        cu[2] = 3  # request 1 ends before it starts: it gets no rows, request 2 the rest
+        good = [0]
+    elif case in ("below", "negative"):
+        seq[2] = 1 if case == "below" else -5
+        good, reason = [0, 1], errors.SEQ_LEN_BELOW_Q_LEN
+    else:  # a decode row whose q rows are not the ones the host count gives
+        cu = torch.tensor([0, 2, 10, 13], dtype=torch.int32, device=device)
+        q, num_decodes, good = q[:13], 1, []
+    prefill = BoundsCheckingPrefill()
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], sliding_window=window,
+                            prefill_kernel=prefill)
+    assert attn.prefill_kernel is prefill
+    plan = attn.plan(cu, seq, pt, num_decodes=num_decodes, max_q_len=9)
+    # (zeroed outputs: the first-row case's q row 1 lies in no bounded range and is not written)
+    out = attn.run(plan, q, b["k"], b["v"], out=torch.zeros_like(q))
+    out2 = attn.run(plan, q, b["k"], b["v"], out=torch.zeros_like(q))  # the next layer: the same rows
+    assert prefill.violations == [] and len(prefill.calls) == 2 and prefill.calls[0] == prefill.calls[1]
+    assert errors.REASONS[reason] in _flagged(device)
+    assert torch.isfinite(out).all() and torch.equal(out, out2)
+    rows = b["cu"].tolist()
+    for r in good:
+        torch.testing.assert_close(out[rows[r]:rows[r + 1]].float(), want[rows[r]:rows[r + 1]], atol=2e-2, rtol=0)
+    if case in ("page", "page-before-window", "length"):
+        assert prefill.calls[0]["lens"][0] == 0 and torch.all(out[:5] == 0)
+    if case == "below":
+        assert prefill.calls[0]["lens"][2] == 3  # raised to its q_len, as evenkv's extend kernel reads it
+
+
 def test_error_watcher_reports_without_waiting(device, caplog):
     watcher = errors.ErrorWatcher(device)
     assert watcher.poll() == []

@@ -41,16 +41,35 @@ def _tensors(device, page_size, num_pages=400, tokens=600, packed=True):
     return q, k_new, v_new, k_cache, v_cache
 
 
+class SilentPrefill:
+    """An engine prefill kernel that does nothing (only evenkv's launches are recorded)."""
+
+    name, fp8_cache_dtypes = "silent prefill", ()
+
+    def takes_sinks(self, num_q_heads):
+        return True
+
+    def invariant(self):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        pass
+
+
 @pytest.mark.parametrize("page_size,new_tokens", [(16, False), (1, True)], ids=["vllm-like", "sglang-like"])
-@pytest.mark.parametrize("policy", evenkv.POLICIES)
-def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size, new_tokens, policy):
+@pytest.mark.parametrize("policy,prefill", [(policy, False) for policy in evenkv.POLICIES] + [("balanced", True)],
+                         ids=list(evenkv.POLICIES) + ["balanced-engine-prefill"])
+def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size, new_tokens, policy, prefill):
     """Attention (both engines' entry): batch sizes across the plan kernel's chunk buckets and
     the many-segments threshold, page tables of any width and row stride, any query lengths,
-    any number of decode rows, int32 and int64 lengths."""
+    any number of decode rows, int32 and int64 lengths; extend rows on evenkv's kernel or an
+    engine's (``prefill``: then evenkv bounds their rows, from any first row)."""
     max_batch, width = 300, 64
     q, k_new, v_new, k_cache, v_cache = _tensors(device, page_size, packed=not new_tokens)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width, policy)
+    attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width, policy,
+                            prefill_kernel=SilentPrefill() if prefill else None)
+    assert (attn.prefill_kernel is not None) == prefill
     kn, vn = (k_new, v_new) if new_tokens else (None, None)
     attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out)
     gen = torch.Generator().manual_seed(0)

@@ -43,7 +43,8 @@ count of ended ones, and its length and cost start are read off the same compare
 import triton
 import triton.language as tl
 
-from .error_bits import INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE
+from .error_bits import (INVARIANCE_LOST, LENGTH_OUT_OF_RANGE, PAGE_OUT_OF_RANGE, QUERY_OUT_OF_RANGE,
+                         SEQ_LEN_BELOW_Q_LEN)
 
 # active_req's fields per request: batch index, clamped length, first q row, q_len, and in
 # deterministic mode its chunk (tiles) and first chunk.
@@ -293,12 +294,19 @@ def _used_entries(seq_lens_ptr, cu_seqlens_ptr, offs, mask, capacity, window, PA
     return first, tl.cdiv(lens, PAGE_SIZE) - first
 
 
-@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "stride_pt", "num_pages"])
+# The page table may be a slice from any row (an engine prefill kernel's rows): its alignment
+# picks no variant, so no slice compiles one after start-up.
+@triton.jit(do_not_specialize=["batch_size", "capacity", "window", "stride_pt", "num_pages"],
+            do_not_specialize_on_alignment=["page_table_ptr"])
 def audit_pages_kernel(
-    seq_lens_ptr, cu_seqlens_ptr, page_table_ptr, error_ptr, batch_size, capacity, window, stride_pt, num_pages,
-    PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+    seq_lens_ptr, cu_seqlens_ptr, page_table_ptr, error_ptr, bad_row_lens_ptr, batch_size, capacity, window,
+    stride_pt, num_pages,
+    PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, ZERO_BAD_ROWS: tl.constexpr,
 ):
-    """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages).
+    """Set PAGE_OUT_OF_RANGE if a page-table entry a request uses lies outside [0, num_pages);
+    with ZERO_BAD_ROWS also set such a request's entry of ``bad_row_lens [B]`` int32 to 0 (the
+    lengths an engine's prefill kernel reads, so that it reads none of that request's pages;
+    a buffer apart from ``seq_lens``, which every program reads to find its entries).
 
     ``cu_seqlens [B + 1]``: the batch's query rows (a request of q_len tokens reads
     ``row_window`` keys under a window). The attention kernels never dereference such an id
@@ -338,15 +346,79 @@ def audit_pages_kernel(
         first, n = _used_entries(seq_lens_ptr, cu_seqlens_ptr, req, req < batch_size, capacity, window, PAGE_SIZE)
         row = page_table_ptr + req.to(tl.int64) * stride_pt + first
         stop = tl.minimum(hi, req_lo + n)
+        row_bad = tl.zeros([BLOCK_E], tl.int1)
         for e in range(pos - req_lo, stop - req_lo, BLOCK_E):
             entry = e + offs_e
             page = tl.load(row + entry, mask=entry < stop - req_lo, other=0)
-            bad = bad | (page.to(tl.uint32, bitcast=True) >= num_pages)
+            row_bad = row_bad | (page.to(tl.uint32, bitcast=True) >= num_pages)
+        bad = bad | row_bad
+        if ZERO_BAD_ROWS:
+            if tl.max(row_bad.to(tl.int32), 0) > 0:
+                tl.store(bad_row_lens_ptr + req, 0)
         pos = stop
         req_lo += n
         req += 1
     if tl.max(bad.to(tl.int32), 0) > 0:
         tl.atomic_or(error_ptr, PAGE_OUT_OF_RANGE, sem="relaxed")
+
+
+@triton.jit
+def _running_max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["num_rows", "first_row", "total_rows", "max_q_len", "capacity"],
+            do_not_specialize_on_alignment=["cu_seqlens_ptr", "seq_lens_ptr"])
+def guard_prefill_rows_kernel(
+    cu_seqlens_ptr, seq_lens_ptr, cu_out_ptr, lens_out_ptr, lens_audit_ptr, error_ptr,
+    num_rows, first_row, total_rows, max_q_len, capacity,
+    BLOCK_B: tl.constexpr,
+):
+    """One program: the extend rows an engine's prefill kernel runs, bounded so that it reads
+    and writes only rows of q and out, entries of the page table and (after the page audit)
+    pages of the cache, whatever the batch data says; each bound that changes a value sets its
+    bit in the error flag.
+
+    cu_seqlens [E + 1] int32 (the batch's, from the first extend request on; absolute q rows),
+    seq_lens [E] int32/int64 -> cu_out [E + 1] int32: rows rebased at ``first_row`` (where the
+    caller's q and out views start), clamped to [0, total_rows] and made non-decreasing
+    (QUERY_OUT_OF_RANGE where that changed an entry, where the first is not ``first_row``, or
+    where a request has more than ``max_q_len`` rows, of which the kernel computes
+    ``max_q_len``); lens_out, lens_audit [E] int32: seq_len raised to the request's q_len
+    (SEQ_LEN_BELOW_Q_LEN, as evenkv's extend kernel does) and clamped to ``capacity``, the page
+    table's reach (LENGTH_OUT_OF_RANGE). ``lens_audit`` is the page audit's copy to read while
+    it zeroes requests of ``lens_out``."""
+    offs = tl.arange(0, BLOCK_B)
+    carry = tl.zeros([], tl.int32)
+    query_bad = tl.zeros([BLOCK_B], tl.int1)
+    below = tl.zeros([BLOCK_B], tl.int1)
+    beyond = tl.zeros([BLOCK_B], tl.int1)
+    for start in range(0, num_rows + 1, BLOCK_B):
+        idx = start + offs
+        in_cu = idx <= num_rows
+        raw = tl.load(cu_seqlens_ptr + idx, mask=in_cu, other=0).to(tl.int64) - first_row
+        clamped = tl.minimum(tl.maximum(raw, 0), total_rows).to(tl.int32)
+        begin = tl.maximum(tl.associative_scan(clamped, 0, _running_max), carry)
+        tl.store(cu_out_ptr + idx, begin, mask=in_cu)
+        query_bad = query_bad | (in_cu & ((begin != raw) | ((idx == 0) & (raw != 0))))
+        # A request's end is the next entry of cu_out: the running max one entry further.
+        in_req = idx < num_rows
+        raw_end = tl.load(cu_seqlens_ptr + idx + 1, mask=in_req, other=0).to(tl.int64) - first_row
+        q_len = tl.maximum(begin, tl.minimum(tl.maximum(raw_end, 0), total_rows).to(tl.int32)) - begin
+        query_bad = query_bad | (in_req & (q_len > max_q_len))
+        raw_len = tl.load(seq_lens_ptr + idx, mask=in_req, other=0)
+        lens = tl.minimum(tl.maximum(raw_len, q_len), capacity).to(tl.int32)
+        below = below | (in_req & (raw_len < q_len))
+        beyond = beyond | (in_req & (tl.maximum(raw_len, q_len) > capacity))
+        tl.store(lens_out_ptr + idx, lens, mask=in_req)
+        tl.store(lens_audit_ptr + idx, lens, mask=in_req)
+        carry = tl.max(tl.where(in_cu, begin, 0), 0)
+    if tl.max(query_bad.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
+    if tl.max(below.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, SEQ_LEN_BELOW_Q_LEN, sem="relaxed")
+    if tl.max(beyond.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, LENGTH_OUT_OF_RANGE, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["batch_size", "req_begin", "max_q_len"])

@@ -1,5 +1,5 @@
 """Thin launchers for the planning kernels (``evenkv.kernels.plan``): the balanced decode
-plan, the page audit and the extend plan.
+plan, the page audit, the guard of an engine prefill kernel's rows and the extend plan.
 
 Each launcher sizes the grid, passes compile-time constants and launches; it does not
 validate and it allocates nothing.
@@ -8,7 +8,7 @@ validate and it allocates nothing.
 import triton
 
 from .launching import launch_or_compile
-from .plan import audit_pages_kernel, extend_plan_kernel, plan_stream_kernel
+from .plan import audit_pages_kernel, extend_plan_kernel, guard_prefill_rows_kernel, plan_stream_kernel
 
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
 # chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
@@ -75,16 +75,31 @@ AUDIT_BLOCK_E = 256
 
 
 def launch_audit_pages(seq_lens, cu_seqlens, page_table, errors, num_pages: int, page_size: int, grid: int,
-                       max_batch_size: int, window: int = 0, warmup: bool = False):
+                       max_batch_size: int, window: int = 0, bad_row_lens=None, warmup: bool = False):
     """seq_lens [B] int32/int64, cu_seqlens [B + 1] int32/int64 (the batch's query rows), page_table
     [B, max_pages] int32 -> PAGE_OUT_OF_RANGE in errors [1] int32 if a used entry (with a window
-    ``window`` > 0, of the keys its rows see) lies outside [0, num_pages) (see ``audit_pages_kernel``).
+    ``window`` > 0, of the keys its rows see) lies outside [0, num_pages), and such a request's
+    entry of ``bad_row_lens`` [B] int32 set to 0 where it is given (see ``audit_pages_kernel``).
     max_batch_size: the caller's largest batch (the chunk, as ``launch_plan_stream``'s)."""
+    zero = bad_row_lens is not None
     return launch_or_compile(
         audit_pages_kernel, (grid,), warmup,
-        seq_lens, cu_seqlens, page_table, errors, seq_lens.shape[0], page_table.shape[1] * page_size, window,
-        page_table.stride(0), num_pages, PAGE_SIZE=page_size, BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size),
-        BLOCK_E=AUDIT_BLOCK_E, num_warps=4)
+        seq_lens, cu_seqlens, page_table, errors, bad_row_lens if zero else errors, seq_lens.shape[0],
+        page_table.shape[1] * page_size, window, page_table.stride(0), num_pages, PAGE_SIZE=page_size,
+        BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size), BLOCK_E=AUDIT_BLOCK_E, ZERO_BAD_ROWS=zero,
+        num_warps=4)
+
+
+def launch_guard_prefill_rows(cu_seqlens, seq_lens, cu_out, lens_out, lens_audit, errors, *, first_row: int,
+                              total_rows: int, max_q_len: int, capacity: int, max_batch_size: int,
+                              warmup: bool = False):
+    """cu_seqlens [E + 1] int32, seq_lens [E] int32/int64 -> cu_out [E + 1], lens_out [E], lens_audit
+    [E] int32 (see ``guard_prefill_rows_kernel``); errors [1] int32. One program, scanning the rows
+    in chunks of ``plan_block_b(E, max_batch_size)``."""
+    return launch_or_compile(
+        guard_prefill_rows_kernel, (1,), warmup,
+        cu_seqlens, seq_lens, cu_out, lens_out, lens_audit, errors, seq_lens.shape[0], first_row, total_rows,
+        max_q_len, capacity, BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size), num_warps=4)
 
 
 def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, req_begin: int, max_q_len: int,
