@@ -257,7 +257,8 @@ def _row(name, impl, b, dist, us, t=1000, page=16, shape="s", status="ok", **ext
     kv_bytes = 1_000_000
     return {"run": "r", "timestamp": "2026-01-01T00:00:00", "gpu": "G", "torch": "t", "triton": "t", "cuda": "c",
             "evenkv": "0", "evenkv_git": "x", "flashinfer": "flashinfer absent", "vllm": "vllm absent",
-            "sglang": "sglang absent", "shape": shape, "hq": 32, "hkv": 4, "head_dim": 128, "T": t, "B": b, **extra,
+            "sglang": "sglang absent", "shape": shape, "hq": 32, "hkv": 4, "head_dim": 128, "dtype": "bf16", "T": t,
+            "B": b, **extra,
             "dist": dist, "page": page, "name": name, "impl": impl, "variant": name, "status": status,
             "detail": "" if status == "ok" else "boom", "us_med": us if status == "ok" else "",
             "kv_bytes": kv_bytes, "copy_rw_tbps": 1.0,
@@ -373,6 +374,8 @@ def test_verify_ratios_pair_each_verify_row_with_the_same_batch_plain_row(tmp_pa
     assert len(got) == 4  # the q_len 1 rows are no verify points
     u, k = got[(("s", 1000, 16, 4, "Uniform"), 4)], got[(("s", 1000, 16, 4, "Skewed80"), 4)]
     assert u["ratio_plain"] == pytest.approx(1.1) and k["ratio_plain"] == pytest.approx(1.2)
+    # 1 MB of KV; q and out of 4 requests x 32 heads x 128 bf16 elements, 1 or 4 rows each
+    assert u["floor"] == pytest.approx((1e6 + 4 * 4 * 32 * 128 * 2 * 2) / (1e6 + 4 * 32 * 128 * 2 * 2))
     assert u["ratio_fa3_auto"] == pytest.approx(1.1) and u["fa3_best"] == "fa3-auto"
     assert k["ratio_fa3_auto"] == pytest.approx(0.4)
     assert k["fa3_best"] == "fa3-ns1" and k["ratio_fa3_best"] == pytest.approx(0.8)
@@ -383,15 +386,17 @@ def test_verify_ratios_pair_each_verify_row_with_the_same_batch_plain_row(tmp_pa
     s = {x["group"]: x for x in report.verify_summary(rows)}[("s", 1000, 16, 4)]
     assert s["points"] == 3 and s["plain_worst"] == pytest.approx(1.2)
     assert s["plain_worst_at"] == ("s", 1000, 16, 4, "Skewed80") and (s["plain_over"], s["plain_n"]) == (1, 2)
+    assert s["plain_worst_floor"] == pytest.approx(u["floor"]) and s["goal_below_floor"] == 2  # floor 1.18 > 1.15
+    assert s["over_floor_worst"] == pytest.approx(1.2 / u["floor"])
     assert s["fa3_best_worst"] == pytest.approx(1.1) and s["fa3_best_worst_impl"] == "fa3-auto"
     assert (s["fa3_over"], s["fa3_n"]) == (1, 2)
     assert s["flat_worst"] == pytest.approx(12 / 11) and s["flat_worst_b"] == 4
     assert (s["flat_over"], s["flat_n"]) == (0, 1)
     text = report.summary_markdown(rows)
     assert "## Speculative verify: evenkv-balanced" in text
-    assert ("| s | 1000 | 16 | 4 | 3 | 1.20 (4 Skewed80) | 1/2 | 1.10 | 1.10 (4 Uniform, fa3-auto) | 1/2 "
-            "| 1.09 (4) | 0/1 |") in text
-    assert "| 4 | Skewed80 | 1.20 / 0.80 |" in text and "| 4 | flatness | 1.09 |" in text
+    assert ("| s | 1000 | 16 | 4 | 3 | 1.20 (4 Skewed80; 1.18) | 1/2 | 2/2 | 1.01 | 1.10 | 1.10 (4 Uniform, fa3-auto) "
+            "| 1/2 | 1.09 (4) | 0/1 |") in text
+    assert "| 4 | Skewed80 | 1.20 (1.18) / 0.80 |" in text and "| 4 | flatness | 1.09 |" in text
     assert "## Deterministic" not in text  # no evenkv-balanced-det rows
 
 
