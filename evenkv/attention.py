@@ -266,15 +266,15 @@ class Attention:
                 lens = torch.zeros(block_b, dtype=dtype, device=dev)
                 plan_launch.launch_audit_pages(lens, self._cu, page_table, self._errors, 1, self.page_size,
                                                self._audit_grid, self.max_batch_size, warmup=True)
-                if self.prefill_kernel is not None:
-                    plan_launch.launch_guard_prefill_rows(
-                        self._cu, lens, self._cu_extend, self._lens_extend, self._lens_extend_audit, self._errors,
-                        first_row=0, total_rows=1, max_q_len=1, capacity=1, max_batch_size=self.max_batch_size,
-                        warmup=True)
             if self.prefill_kernel is not None:
                 plan_launch.launch_audit_pages(self._lens_extend_audit[:block_b], self._cu_extend, page_table,
                                                self._errors, 1, self.page_size, self._audit_grid,
                                                self.max_batch_size, bad_row_lens=self._lens_extend, warmup=True)
+        for dtype in index_dtypes if self.prefill_kernel is not None else ():
+            plan_launch.launch_guard_prefill_rows(
+                self._cu, torch.zeros(1, dtype=dtype, device=dev), self._cu_extend, self._lens_extend,
+                self._lens_extend_audit, self._errors, first_row=0, total_rows=1, max_q_len=1, capacity=1,
+                warmup=True)
         for config in configs:
             for dtype in index_dtypes:
                 lens = torch.zeros(1, dtype=dtype, device=dev)
@@ -459,8 +459,7 @@ class Attention:
         lens_audit = self._lens_extend_audit[:rows]
         plan_launch.launch_guard_prefill_rows(
             plan.cu_seqlens_q[begin:], plan.seq_lens[begin:], d.cu_seqlens_q, d.seq_lens, lens_audit, self._errors,
-            first_row=d.first_row, total_rows=total_q - d.first_row, max_q_len=d.max_q_len, capacity=capacity,
-            max_batch_size=self.max_batch_size)
+            first_row=d.first_row, total_rows=total_q - d.first_row, max_q_len=d.max_q_len, capacity=capacity)
         plan_launch.launch_audit_pages(lens_audit, d.cu_seqlens_q, d.page_table, self._errors, num_pages,
                                        self.page_size, self._audit_grid, self.max_batch_size,
                                        bad_row_lens=d.seq_lens)

@@ -509,7 +509,7 @@ PLANNING_KERNELS = [
                                                     WHOLE_CHUNKS=8), 8),
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=128, BLOCK_E=256, ZERO_BAD_ROWS=False), 4),
     ("evenkv.kernels.plan:audit_pages_kernel", dict(PAGE_SIZE=16, BLOCK_B=2048, BLOCK_E=256, ZERO_BAD_ROWS=True), 4),
-    ("evenkv.kernels.plan:guard_prefill_rows_kernel", dict(BLOCK_B=2048), 4),
+    ("evenkv.kernels.plan:guard_prefill_rows_kernel", dict(BLOCK_B=128), 4),
     ("evenkv.kernels.plan:extend_plan_kernel", dict(G=8, BLOCK_M=128, LPT=True, BLOCK_I=64, BLOCK_J=128), 4),
     ("evenkv.kernels.kv_write:kv_write_kernel",
      dict(PAGE_SIZE=16, NUM_KV_HEADS=4, HEAD_DIM=128, BLOCK_H=4, BLOCK_D=128, KV_FP8=False), 4),

@@ -91,15 +91,14 @@ def launch_audit_pages(seq_lens, cu_seqlens, page_table, errors, num_pages: int,
 
 
 def launch_guard_prefill_rows(cu_seqlens, seq_lens, cu_out, lens_out, lens_audit, errors, *, first_row: int,
-                              total_rows: int, max_q_len: int, capacity: int, max_batch_size: int,
-                              warmup: bool = False):
+                              total_rows: int, max_q_len: int, capacity: int, warmup: bool = False):
     """cu_seqlens [E + 1] int32, seq_lens [E] int32/int64 -> cu_out [E + 1], lens_out [E], lens_audit
     [E] int32 (see ``guard_prefill_rows_kernel``); errors [1] int32. One program, scanning the rows
-    in chunks of ``plan_block_b(E, max_batch_size)``."""
+    in chunks of PLAN_SMALL_BLOCK_B at any E: one compiled variant per length dtype."""
     return launch_or_compile(
         guard_prefill_rows_kernel, (1,), warmup,
         cu_seqlens, seq_lens, cu_out, lens_out, lens_audit, errors, seq_lens.shape[0], first_row, total_rows,
-        max_q_len, capacity, BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size), num_warps=4)
+        max_q_len, capacity, BLOCK_B=PLAN_SMALL_BLOCK_B, num_warps=4)
 
 
 def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, req_begin: int, max_q_len: int,
