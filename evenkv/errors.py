@@ -32,7 +32,8 @@ SEQ_LEN_BELOW_Q_LEN = error_bits.SEQ_LEN_BELOW_Q_LEN.value
 
 REASONS = {
     PAGE_OUT_OF_RANGE: "page_table: a page id outside the KV cache in a used entry (never read: those tokens' K "
-                       "and V were taken as zeros, so that request's result is wrong)",
+                       "and V were taken as zeros, or on an engine's prefill kernel that request read no keys, so "
+                       "its result is wrong)",
     SLOT_OUT_OF_RANGE: "slot_mapping: a slot >= the KV cache's slots (that token was not written)",
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
     QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or (decode rows) "

@@ -86,6 +86,39 @@ def test_engine_prefill_with_layer_terms(fa, terms):
 FP8_P_ERROR = 0.05
 
 
+@pytest.mark.parametrize("case", ["page", "length", "rows"])
+def test_engine_prefill_gets_bounded_rows(fa, case):
+    """FA3 dereferences whatever its arguments say: a page id far outside the cache, a length
+    past the page table or query rows past q would read (and for rows, write) outside their
+    tensors, a fault or a silent wrong answer. evenkv bounds them first: the batch runs, the
+    device flag names the fault, and the requests with good data match the reference."""
+    evenkv.errors.error_flag("cuda").zero_()
+    hq, hkv, d, dtype, ps, nd = 32, 4, 128, torch.bfloat16, 16, 4
+    q_lens, prefixes = [1] * nd + [700, 300, 40], [900] * nd + [2000, 0, 5000]
+    batch = make_batch(q_lens, prefixes, hq, hkv, d, ps, dtype, "cuda", seed=9)
+    ref, lowp = reference_pair(batch, ps, max_scores=1 << 28)
+    cu, seq, pt = batch["cu_seqlens_q"].clone(), batch["seq_lens"].clone(), batch["page_table"].clone()
+    rows = batch["cu_seqlens_q"].tolist()
+    good = [nd + 1, nd + 2]  # the extend requests left alone (request nd is the bad one)
+    if case == "page":
+        pt[nd, 3] = 10**8
+        reason = evenkv.errors.PAGE_OUT_OF_RANGE
+    elif case == "length":
+        seq[nd] = 10**8
+        reason = evenkv.errors.LENGTH_OUT_OF_RANGE
+    else:
+        cu[-1] = 10**8  # the last request's rows run past q (and out)
+        good, reason = [nd, nd + 1], evenkv.errors.QUERY_OUT_OF_RANGE
+    attn = evenkv.Attention(hq, hkv, d, ps, dtype, "cuda", 64, pt.shape[1], prefill_kernel=fa)
+    plan = attn.plan(cu, seq, pt, num_decodes=nd, max_q_len=700, max_seq_len=5100)
+    out = attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
+    torch.cuda.synchronize()
+    assert evenkv.errors.REASONS[reason] in evenkv.errors.peek("cuda")
+    for r in list(range(nd)) + good:
+        assert_tolerance(out[rows[r]:rows[r + 1]], ref[rows[r]:rows[r + 1]], lowp[rows[r]:rows[r + 1]], dtype)
+    evenkv.errors.error_flag("cuda").zero_()
+
+
 @pytest.mark.parametrize("finder, ps", [(vllm_flash_attention, 16), (sglang_flash_attention, 1)],
                          ids=["vllm-page16", "sglang-page1"])
 def test_engine_prefill_over_an_fp8_cache(monkeypatch, finder, ps):
