@@ -1113,6 +1113,8 @@ def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, devi
     if prefill == "triton":  # each extend config a batch can pick, its plan and kernel
         configs = len(extend_configs(attention_of(builder).arch, 128, 4))
         expected.update(extend_plan_kernel=configs, extend_kernel=configs)
+    else:  # the bounds of the engine prefill kernel's rows: the guard, and the audit that zeroes a bad request
+        expected.update(audit_pages_kernel=2 * chunks, guard_prefill_rows_kernel=1)
     assert collections.Counter(name for name, _, _ in recorder.compiled) == expected
     _random_steps(builder, impl, layer, torch.Generator().manual_seed(0), device, steps=30, hq=hq, hkv=hkv, d=d,
                   num_blocks=num_blocks, drafts=speculation is not None)
