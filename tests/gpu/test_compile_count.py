@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import evenkv
+from evenkv.integrations.prefill import vllm_flash_attention
 from evenkv.kernels import decode_launch
 from evenkv.kv_cache import warmup_write_kv
 from evenkv.kernels.reference import decode_reference
@@ -32,14 +33,22 @@ def test_the_hook_counts(compiles):
     assert any("kv_write_kernel" in name for name in compiles)
 
 
-@pytest.mark.parametrize("page_size,new_tokens,gpt_oss", [(16, False, False), (1, True, False), (16, False, True)],
-                         ids=["vllm-like", "sglang-like", "gpt-oss-like"])
-def test_no_compilation_after_warmup(compiles, page_size, new_tokens, gpt_oss):
-    """gpt-oss-like: a 128-token sliding window, bf16 sinks and an FP8 cache with scales."""
+@pytest.mark.parametrize("page_size,new_tokens,gpt_oss,engine_prefill",
+                         [(16, False, False, False), (1, True, False, False), (16, False, True, False),
+                          (16, False, False, True)],
+                         ids=["vllm-like", "sglang-like", "gpt-oss-like", "vllm-like-fa3-prefill"])
+def test_no_compilation_after_warmup(compiles, page_size, new_tokens, gpt_oss, engine_prefill):
+    """gpt-oss-like: a 128-token sliding window, bf16 sinks and an FP8 cache with scales.
+    vllm-like-fa3-prefill: extend rows on vLLM's FA3, behind the rows' guard and the zeroing
+    page audit (FA3's own kernels are ahead-of-time builds, not Triton's)."""
+    layer, run, scales = {}, {}, {}
+    if engine_prefill:
+        layer["prefill_kernel"] = vllm_flash_attention("cuda")
+        if layer["prefill_kernel"] is None:
+            pytest.skip("vllm.vllm_flash_attn is not importable here (source the peers or vLLM kit)")
     max_batch, width = 2048, 256
     q, k_new, v_new, k_cache, v_cache = _tensors("cuda", page_size, num_pages=4096 // page_size * 64,
                                                  tokens=4096, packed=not new_tokens)
-    layer, run, scales = {}, {}, {}
     if gpt_oss:
         kv = torch.zeros(k_cache.shape[0], HKV, 2 * D, dtype=torch.float8_e4m3fn, device="cuda")  # vLLM's K|V halves
         k_cache, v_cache = kv[..., :D], kv[..., D:]

@@ -283,7 +283,41 @@ def hostile_cases():
         expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE, evenkv.errors.SEQ_LEN_BELOW_Q_LEN,
                     evenkv.errors.QUERY_OUT_OF_RANGE)
         print(f"CASE ok hostile extend new_layout={new_layout}", flush=True)
-    return count + 3
+    return count + 3 + engine_prefill_hostile_case(q, k, v, seq_lens, pt)
+
+
+def engine_prefill_hostile_case(q, k, v, seq_lens, pt):
+    """The same hostile extend rows through ``Attention`` with vLLM's FA3 as its prefill kernel:
+    the rows' guard and the zeroing page audit bound them before FA3, which trusts its
+    arguments, dereferences them. Counts 0, with a line that says so, where FA3 is not
+    importable (memcheck then covers evenkv's kernels only)."""
+    from evenkv.integrations.prefill import vllm_flash_attention
+
+    fa = vllm_flash_attention(DEV)
+    if fa is None:
+        print("CASE none hostile engine-prefill: vllm.vllm_flash_attn is not importable (source the peers kit)",
+              flush=True)
+        return 0
+    attn = evenkv.Attention(HQ, HKV, 128, 16, DTYPE, DEV, max_batch_size=8, max_pages_per_request=pt.shape[1],
+                            prefill_kernel=fa)
+    for bad in ("page", "length", "rows"):
+        bad_pt, bad_lens = pt.clone(), seq_lens.clone()
+        cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=DEV)
+        if bad == "page":
+            bad_pt[0, 1] = 10**7
+        elif bad == "length":
+            bad_lens[2] = 10**6
+        else:
+            cu[3] = 10**6
+        out = attn.run(attn.plan(cu, bad_lens, bad_pt, num_decodes=0, max_q_len=9), q, k, v)
+        sync()
+        assert torch.isfinite(out).all(), bad
+        # A length past the page table is clamped to it, so its garbage tail entries are read too.
+        expect_flag(*{"page": [evenkv.errors.PAGE_OUT_OF_RANGE],
+                      "length": [evenkv.errors.LENGTH_OUT_OF_RANGE, evenkv.errors.PAGE_OUT_OF_RANGE],
+                      "rows": [evenkv.errors.QUERY_OUT_OF_RANGE]}[bad])
+        print(f"CASE ok hostile engine-prefill {bad}", flush=True)
+    return 3
 
 
 def expect_flag(*bits):
