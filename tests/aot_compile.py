@@ -7,7 +7,8 @@ objects that cannot be compiled); tests call it through ``helpers.aot_compile``.
     python tests/aot_compile.py SPEC_JSON
 
 SPEC: {"kernel": "module:name", "bf16": [pointer args of bf16 data], "fp8": [pointer args of
-e4m3 data], "fp32_ptrs": [fp32 pointer args], "fp32": [fp32 scalar args], "unaligned": [int args not divisible by 16],
+e4m3 data], "fp32_ptrs": [fp32 pointer args], "i64_ptrs": [int64 pointer args], "fp32": [fp32 scalar args],
+"unaligned": [int args not divisible by 16],
 "variants": [{"cap": 90, "consts": {...}, "options": {"num_warps": 4, ...}}]}. Every other
 ``*_ptr`` argument is an int32 pointer, every other upper-case one a constexpr, the rest
 int32; pointers and strides are 16-byte aligned as the JIT sees them for real inputs.
@@ -113,7 +114,8 @@ def main():
     for n in names:
         if n.endswith("_ptr"):
             sig[n] = ("*bf16" if n in spec.get("bf16", ()) else "*fp8e4nv" if n in spec.get("fp8", ()) else
-                      "*fp32" if n in spec.get("fp32_ptrs", ()) else "*i32")
+                      "*fp32" if n in spec.get("fp32_ptrs", ()) else "*i64" if n in spec.get("i64_ptrs", ()) else
+                      "*i32")
         else:
             sig[n] = "fp32" if n in spec.get("fp32", ()) else "constexpr" if n.isupper() else "i32"
     aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride") and n not in spec.get("unaligned", ()))]

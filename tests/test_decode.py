@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import evenkv
+from evenkv.kernels.plan_launch import PAGE_TABLE_BLOCK
 from helpers import aot_compile, assert_close_to_reference, make_paged_batch
 
 BATCHES = {
@@ -535,6 +536,19 @@ def test_planning_and_write_kernels_compile_for_cuda(kernel, consts, warps, cap)
     Triton's bundled ptxas): the interpreter runs Python, and accepts code the compiler does not."""
     (r,) = aot_compile(dict(kernel=kernel, bf16=["k_new_ptr", "v_new_ptr", "k_cache_ptr", "v_cache_ptr"],
                             variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
+    assert r["stack"] == 0, r
+    assert not r["stack_pointer_data_reads"], r
+
+
+@pytest.mark.parametrize("cap", [90, 80])
+@pytest.mark.parametrize("consts", [dict(PAGE_SIZE=1, SWA=True, BLOCK=PAGE_TABLE_BLOCK),
+                                    dict(PAGE_SIZE=16, SWA=False, BLOCK=PAGE_TABLE_BLOCK)], ids=["page1-hybrid-pool", "page16"])
+def test_page_table_kernel_compiles_for_cuda(consts, cap):
+    """SGLang's per-step page tables (int64 request rows, lengths and window-pool mapping)
+    compile for sm_90a and sm_80 without a stack."""
+    (r,) = aot_compile(dict(kernel="evenkv.kernels.plan:page_table_from_tokens_kernel",
+                            i64_ptrs=["row_ids_ptr", "seq_lens_ptr", "swa_mapping_ptr"],
+                            variants=[dict(cap=cap, consts=consts, options=dict(num_warps=4))]))
     assert r["stack"] == 0, r
     assert not r["stack_pointer_data_reads"], r
 

@@ -334,3 +334,44 @@ def test_plan_clamps_lengths_to_page_table(device):
     the kernels never index past a page-table row."""
     want, _ = _check_stream(device, [10**6, 5], 2, 4, max_pages=4, page_size=16)
     assert want["seq_lens"].tolist() == [64, 5]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("swa", [False, True], ids=["full-pool", "hybrid-pool"])
+def test_page_tables_from_token_table(device, page_size, swa):
+    """SGLang's page tables from its req_to_token rows, one launch: each request's entries up to
+    its length (capped at the table width) are its tokens' slots / page_size (and, for a
+    hybrid pool, those slots mapped to the window pool); entries past its length are left as
+    they were; a row id outside the token table, a negative slot or a slot outside the mapping
+    gives -1, and nothing outside the token table or the mapping is read."""
+    from evenkv.kernels.plan_launch import launch_page_tables
+
+    gen = torch.Generator().manual_seed(page_size)
+    rows, cols, width, num_slots = 5, 40, 6, 200
+    table = torch.randint(0, num_slots, (rows, cols), generator=gen, dtype=torch.int32)
+    table[1, 0] = -1  # a negative slot
+    table[3, 4 * page_size] = num_slots + 50  # past the mapping
+    mapping = torch.randint(-1, 60, (num_slots + page_size + 1,), generator=gen)
+    row_ids = torch.tensor([3, 0, 7, 1, -2])  # rows 7 and -2 lie outside the table
+    lens = torch.tensor([5 * page_size + 1, 0, 2 * page_size, 10**6, 3 * page_size])
+    out = torch.full((len(row_ids), width), -7, dtype=torch.int32)
+    swa_out = torch.full_like(out, -9)
+    launch_page_tables(table.to(device), row_ids.to(device), lens.to(device), out_dev := out.to(device),
+                       page_size=page_size, swa_mapping=mapping.to(device) if swa else None,
+                       swa_out=(swa_dev := swa_out.to(device)) if swa else None)
+    want, want_swa = out.clone(), swa_out.clone()
+    for b, (row, n) in enumerate(zip(row_ids.tolist(), lens.tolist())):
+        used = min(-(-n // page_size), width)
+        for j in range(used):
+            slot = int(table[row, j * page_size]) if 0 <= row < rows else -1
+            want[b, j] = slot // page_size if slot >= 0 else -1
+            mapped = int(mapping[slot]) if 0 <= slot < mapping.shape[0] else -1
+            want_swa[b, j] = mapped // page_size if mapped >= 0 else -1
+    assert torch.equal(out_dev.cpu(), want)
+    # The cases are there: a request of length 0 untouched, rows outside the table and a negative
+    # slot as -1, a length past the width capped at it.
+    assert (want[1] == -7).all() and (want[2, :2] == -1).all() and (want[2, 2:] == -7).all()
+    assert want[3, 0] == -1 and (want[3, 1:] >= 0).all() and (want[4, :3] == -1).all()
+    if swa:
+        assert want_swa[0, 4] == -1  # its slot lies past the mapping
+        assert torch.equal(swa_dev.cpu(), want_swa)

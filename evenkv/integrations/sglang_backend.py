@@ -85,6 +85,8 @@ from evenkv.attention import Attention, AttentionPlan
 from evenkv.errors import ErrorWatcher
 from evenkv.integrations.prefill import sglang_flash_attention
 from evenkv.integrations.sglang import speculative_verify
+from evenkv.kernels.launching import parallel_compiles
+from evenkv.kernels.plan_launch import launch_page_tables
 
 logger = logging.getLogger("evenkv")
 # ForwardBatch.seq_lens' dtype. The adapter's own length buffers (verify lengths, CUDA-graph
@@ -218,11 +220,14 @@ class EvenKVAttnBackend(AttentionBackend):
         sinks = None if self.sinks_dtype is None else torch.zeros(hq, dtype=self.sinks_dtype, device=self.device)
         # An FP8 pool's new tokens are read back from it (see forward_extend).
         new = {} if self.fp8 else dict(k_new=k, v_new=v)
-        for kind, attention in self.attentions.items():
-            layer_id = min((i for i, k in self.layer_kinds.items() if k == kind), default=0)
-            k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer_id)
-            attention.warmup(q, k_cache, v_cache, out=torch.empty_like(q), sinks=sinks,
-                             index_dtypes=(SGLANG_INDEX_DTYPE,), **new)
+        with parallel_compiles():  # the page tables' build joins the first attention object's batch
+            one = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._page_tables(one, one, 1, warmup=True)
+            for kind, attention in self.attentions.items():
+                layer_id = min((i for i, k in self.layer_kinds.items() if k == kind), default=0)
+                k_cache, v_cache = self.token_to_kv_pool.get_kv_buffer(layer_id)
+                attention.warmup(q, k_cache, v_cache, out=torch.empty_like(q), sinks=sinks,
+                                 index_dtypes=(SGLANG_INDEX_DTYPE,), **new)
 
     # -- metadata -----------------------------------------------------------------
 
@@ -234,42 +239,30 @@ class EvenKVAttnBackend(AttentionBackend):
         longest = int(max(seq_lens_cpu)) if not isinstance(seq_lens_cpu, torch.Tensor) else int(seq_lens_cpu.max())
         return min(self.max_pages, max(1, math.ceil((longest + extra) / self.page_size)))
 
-    def _page_tables(self, req_pool_indices: torch.Tensor, width: int,
-                     out: dict[bool, torch.Tensor] | None = None) -> dict[bool, torch.Tensor]:
-        """Page ids [B, width] int32 of the batch's requests, from req_to_token, for each token
-        pool the layers read (keyed like ``LayerKind.swa_pool``): the full pool's, and with a
-        hybrid pool the sliding-window pool's, translated through its full->SWA mapping.
+    def _page_tables(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int,
+                     out: dict[bool, torch.Tensor] | None = None, warmup: bool = False) -> dict[bool, torch.Tensor]:
+        """Page ids [B, width] int32 of the batch's requests (req_pool_indices [B], seq_lens [B]
+        device lengths), from req_to_token, for each token pool the
+        layers read (keyed like ``LayerKind.swa_pool``): the full pool's, and with a hybrid pool
+        the sliding-window pool's, through its full->SWA mapping. One launch, no temporaries:
+        at page 1 a table is as wide as the longest request, B x width entries.
 
-        With ``out`` (a [>= B, >= width] int32 buffer per pool) the tables are written into
-        ``out[pool][:B, :width]`` and those views returned; columns past ``width`` keep stale
-        values, which the kernels never read (they stop at ceil(seq_len / page_size) pages).
-        """
-        p = self.page_size
-        first_slots = self.req_to_token[:, : width * p : p]  # [rows, width]: slot of each page's first token
-        slots = {False: first_slots.index_select(0, req_pool_indices.to(torch.int64))}
-        if self.swa_layer_ids:
-            slots[True] = self._swa_slots(slots[False])
-        tables = {}
-        for swa_pool, pool_slots in slots.items():
-            if out is None:
-                tables[swa_pool] = (pool_slots // p if p > 1 else pool_slots).to(torch.int32)
-                continue
-            view = out[swa_pool][: pool_slots.shape[0], :width]
-            if p > 1:
-                torch.floor_divide(pool_slots, p, out=view)
-            else:
-                view.copy_(pool_slots)
-            tables[swa_pool] = view
+        Each row holds the entries its length uses (``launch_page_tables``); the entries after
+        them, uninitialized or stale, are never read by the kernels (they stop at
+        ceil(seq_len / page_size) pages). With ``out`` (a [>= B, >= width] int32 buffer per
+        pool) the tables are ``out[pool][:B, :width]``. A slot outside the mapping, or a row
+        outside req_to_token, gives page id -1, which the page audit flags. ``warmup``: compile
+        the launch, run nothing."""
+        bs = req_pool_indices.shape[0]
+        pools = (False, True) if self.swa_layer_ids else (False,)
+        tables = {swa: torch.empty(bs, width, dtype=torch.int32, device=self.device) if out is None
+                  else out[swa][:bs, :width] for swa in pools}
+        if bs:
+            mapping = self.token_to_kv_pool.full_to_swa_index_mapping if self.swa_layer_ids else None
+            launch_page_tables(self.req_to_token, req_pool_indices.to(torch.int64), seq_lens.to(SGLANG_INDEX_DTYPE),
+                               tables[False], page_size=self.page_size, swa_mapping=mapping,
+                               swa_out=tables.get(True), warmup=warmup)
         return tables
-
-    def _swa_slots(self, full_slots: torch.Tensor) -> torch.Tensor:
-        """The hybrid pool's sliding-window slots [...] int64 of full-pool slots [...]: the
-        pool's full->SWA index mapping (0, the dummy slot, for tokens out of every window). A
-        slot outside the mapping reads its trailing -1, a page id the page audit flags."""
-        mapping = self.token_to_kv_pool.full_to_swa_index_mapping  # [full slots + page_size + 1] int64
-        n = mapping.shape[0]
-        inside = (full_slots >= 0) & (full_slots < n)
-        return mapping[torch.where(inside, full_slots, n - 1).to(torch.int64)]
 
     def _swa_out_cache_loc(self, forward_batch) -> torch.Tensor | None:
         """The new tokens' slots in the sliding-window pool (None without a hybrid pool)."""
@@ -304,7 +297,8 @@ class EvenKVAttnBackend(AttentionBackend):
     def _plan_decode(self, forward_batch) -> None:
         bs = forward_batch.batch_size
         seq_lens_cpu = forward_batch.seq_lens_cpu
-        tables = self._page_tables(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
+        tables = self._page_tables(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
+                                   self._page_width(seq_lens_cpu))
         plans = {kind: attention.plan(self._decode_cu_seqlens[:bs + 1], forward_batch.seq_lens[:bs],
                                       tables[kind.swa_pool], num_decodes=bs, max_q_len=1,
                                       seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
@@ -320,7 +314,7 @@ class EvenKVAttnBackend(AttentionBackend):
         seq_lens.copy_(forward_batch.seq_lens[:bs])
         seq_lens.add_(d)
         prefix_cpu = forward_batch.seq_lens_cpu
-        tables = self._page_tables(forward_batch.req_pool_indices[:bs], self._page_width(prefix_cpu, d))
+        tables = self._page_tables(forward_batch.req_pool_indices[:bs], seq_lens, self._page_width(prefix_cpu, d))
         tree_mask = None
         if self.tree_verify:
             if prefix_cpu is not None:
@@ -382,7 +376,8 @@ class EvenKVAttnBackend(AttentionBackend):
             seq_lens_cpu = [a + b for a, b in zip(forward_batch.extend_prefix_lens_cpu, ext_lens_cpu)]
         cu_seqlens_q = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
         cu_seqlens_q[1:] = torch.cumsum(ext_lens, dim=0)
-        tables = self._page_tables(forward_batch.req_pool_indices[:bs], self._page_width(seq_lens_cpu))
+        tables = self._page_tables(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
+                                   self._page_width(seq_lens_cpu))
         max_seq_len = int(max(seq_lens_cpu)) if seq_lens_cpu is not None and len(seq_lens_cpu) else None
         plans = {kind: attention.plan(cu_seqlens_q, forward_batch.seq_lens[:bs], tables[kind.swa_pool],
                                       num_decodes=0, max_q_len=max_q_len, max_seq_len=max_seq_len)
@@ -441,7 +436,7 @@ class EvenKVAttnBackend(AttentionBackend):
         seq_lens_cpu = forward_batch.seq_lens_cpu
         live_cpu = seq_lens_cpu[: bs - padding] if seq_lens_cpu is not None else None
         width_pages = self._page_width(live_cpu, width if width > 1 else 0)  # verify lengths exclude the drafts
-        self._page_tables(forward_batch.req_pool_indices[:bs], width_pages, out=self.cuda_graph_page_tables)
+        self._page_tables(forward_batch.req_pool_indices[:bs], seq_lens, width_pages, out=self.cuda_graph_page_tables)
         if self.tree_verify and width > 1:
             tree_mask = self._tree_mask[: bs * width]
             if in_capture:  # the capture batch's mask is a placeholder: causal rows

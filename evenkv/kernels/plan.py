@@ -1,4 +1,5 @@
-"""Triton planning kernels: the decode stream plan, the page audit and the extend plan.
+"""Triton planning kernels: the decode stream plan, the page audit, the extend plan, and the
+page tables an engine that keeps a token table (SGLang's req_to_token) needs built each step.
 
 ``plan_stream_kernel``, the prepare kernel for the ``balanced`` (stream-K) decode
 schedule, writes from device ``seq_lens``, with no host sync and into preallocated buffers:
@@ -489,3 +490,41 @@ def query_range(cu_seqlens_ptr, b, mask, max_q_len):
     q_len = tl.minimum(tl.maximum(raw_len, 0), max_q_len)
     bad = mask & ((q_len != raw_len) | (q_begin < 0))
     return q_begin, q_len.to(tl.int32), bad
+
+
+# SGLang's width is the batch's longest request, in pages (up to its context length at page 1),
+# so the grid's column blocks are large and the rows' own lengths bound what is written.
+@triton.jit(do_not_specialize=["num_table_rows", "table_columns", "stride_table", "width", "stride_out",
+                               "mapping_len", "stride_swa_out"])
+def page_table_from_tokens_kernel(
+    token_table_ptr, row_ids_ptr, seq_lens_ptr, out_ptr, swa_mapping_ptr, swa_out_ptr,
+    num_table_rows, table_columns, stride_table, width, stride_out, mapping_len, stride_swa_out,
+    PAGE_SIZE: tl.constexpr, SWA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Request b's page ids from its row of a token table (the slot of each of its tokens):
+    ``out[b, j] = token_table[row_ids[b], j * PAGE_SIZE] // PAGE_SIZE`` for the
+    ``min(ceil(seq_lens[b] / PAGE_SIZE), width)`` entries its length uses, and with
+    SWA the same slots through ``swa_mapping`` (a hybrid pool's full -> sliding-window slots)
+    into ``swa_out``. Entries past a request's length are not written (no kernel reads them).
+
+    Program (i, b) fills entries [i * BLOCK, (i + 1) * BLOCK) of request b. A row id outside
+    the table, a column past it, a negative slot or one outside the mapping gives page id -1,
+    which the page audit flags and the attention kernels never dereference: nothing is read
+    outside the token table or the mapping, whatever the batch data says."""
+    b = tl.program_id(1)
+    first = tl.program_id(0) * BLOCK
+    n = tl.load(seq_lens_ptr + b).to(tl.int64)
+    used = tl.minimum(tl.cdiv(tl.maximum(n, 0), PAGE_SIZE), width)
+    if first < used:
+        cols = first + tl.arange(0, BLOCK)
+        mask = cols < used
+        row = tl.load(row_ids_ptr + b).to(tl.int64)
+        token = cols.to(tl.int64) * PAGE_SIZE
+        inside = (row >= 0) & (row < num_table_rows) & (token < table_columns)
+        slot = tl.load(token_table_ptr + row * stride_table + token, mask=mask & inside, other=-1).to(tl.int64)
+        page = tl.where(slot >= 0, slot // PAGE_SIZE, -1)
+        tl.store(out_ptr + b.to(tl.int64) * stride_out + cols, page.to(tl.int32), mask=mask)
+        if SWA:
+            mapped = tl.load(swa_mapping_ptr + slot, mask=mask & (slot >= 0) & (slot < mapping_len), other=-1)
+            swa_page = tl.where(mapped >= 0, mapped // PAGE_SIZE, -1)
+            tl.store(swa_out_ptr + b.to(tl.int64) * stride_swa_out + cols, swa_page.to(tl.int32), mask=mask)

@@ -1,5 +1,6 @@
 """Thin launchers for the planning kernels (``evenkv.kernels.plan``): the balanced decode
-plan, the page audit, the guard of an engine prefill kernel's rows and the extend plan.
+plan, the page audit, the guard of an engine prefill kernel's rows, the extend plan and the
+page tables built from a token table.
 
 Each launcher sizes the grid, passes compile-time constants and launches; it does not
 validate and it allocates nothing.
@@ -8,7 +9,8 @@ validate and it allocates nothing.
 import triton
 
 from .launching import launch_or_compile
-from .plan import audit_pages_kernel, extend_plan_kernel, guard_prefill_rows_kernel, plan_stream_kernel
+from .plan import (audit_pages_kernel, extend_plan_kernel, guard_prefill_rows_kernel, page_table_from_tokens_kernel,
+                   plan_stream_kernel)
 
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
 # chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
@@ -110,3 +112,23 @@ def launch_extend_plan(cu_seqlens_q, seq_lens, order, sorted_start, errors, *, r
         extend_plan_kernel, (max(triton.cdiv(batch, PLAN_BLOCK_I), 1),), warmup,
         cu_seqlens_q, seq_lens, order, sorted_start, errors, batch, req_begin, max_q_len,
         G=group_size, BLOCK_M=block_m, LPT=lpt, BLOCK_I=PLAN_BLOCK_I, BLOCK_J=PLAN_BLOCK_J, num_warps=4)
+
+
+# Page-table entries per program of the token-table gather (32 per thread at 4 warps).
+PAGE_TABLE_BLOCK = 4096
+
+
+def launch_page_tables(token_table, row_ids, seq_lens, out, *, page_size: int, swa_mapping=None, swa_out=None,
+                       warmup: bool = False):
+    """token_table [rows, columns] int32 (slot of each token of a request row), row_ids [B] and
+    seq_lens [B] int64 -> out [B, width] int32 page ids of the entries each request's
+    seq_len tokens use; with swa_mapping [slots] int64, those slots mapped into
+    swa_out [B, width] int32 too (see ``page_table_from_tokens_kernel``). B >= 1."""
+    batch, width = out.shape
+    swa = swa_mapping is not None
+    return launch_or_compile(
+        page_table_from_tokens_kernel, (max(triton.cdiv(width, PAGE_TABLE_BLOCK), 1), batch), warmup,
+        token_table, row_ids, seq_lens, out, swa_mapping if swa else token_table, swa_out if swa else out,
+        token_table.shape[0], token_table.shape[1], token_table.stride(0), width, out.stride(0),
+        swa_mapping.shape[0] if swa else 0, swa_out.stride(0) if swa else 0,
+        PAGE_SIZE=page_size, SWA=swa, BLOCK=PAGE_TABLE_BLOCK, num_warps=4)
