@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed; the SGLang lane needs `bash tests/envs/sglang.sh VENV` "
@@ -922,6 +923,47 @@ def test_hybrid_pool_cuda_graph_sequence(lane, page_size):
         k_swa = world.kv_pool.get_key_buffer(0)
         new_slots = torch.tensor([world.layer_slots(r, 0, [c])[0] for r, c in zip(batch, cached)])
         assert torch.equal(k_swa[new_slots.to(k_swa.device)], driver.k[:raw]), "the window layer's writes"
+
+
+class FreshTensors(TorchDispatchMode):
+    """Records (op, element count) of every tensor an op allocates (a result that aliases no
+    argument): views and in-place writes are not allocations."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ret, value in zip(func._schema.returns, out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(value, torch.Tensor) and ret.alias_info is None:
+                self.allocated.append((str(func), value.numel()))
+        return out
+
+
+def test_graph_refill_allocates_nothing_table_sized(lane, monkeypatch):
+    """At page 1 a page table is as wide as the batch's longest request: the graph refill
+    before each replay writes the tables of both pools in place, allocating nothing near
+    B x width (a server of 1,102 requests of up to 124K tokens ran out of memory on torch
+    gathers of whole req_to_token rows), and the replay is right."""
+    world = hybrid_world(1, lane, ctx=2048, max_reqs=4)
+    backend = world.backend()
+    driver = GraphDriver(world, backend, bs=4)
+    driver.capture()
+    reqs = [world.add_request(c) for c in (2000, 12, 30)]
+    cached = [1990, 5, 29]
+    refill, fresh = backend.init_forward_metadata_out_graph, FreshTensors()
+
+    def recorded(*args, **kwargs):
+        with fresh:
+            return refill(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "init_forward_metadata_out_graph", recorded)
+    outs, q, _ = driver.replay(reqs, cached)
+    largest = max(fresh.allocated, key=lambda a: a[1], default=("none", 0))
+    assert fresh.allocated and largest[1] < 256, f"the refill allocated {largest[1]} elements in {largest[0]}"
+    for layer, out in zip(world.layers, outs):
+        check_against_slots(world, out[:3], q[:3], visible_slots(world, layer, reqs, cached, [1] * 3), layer)
 
 
 # -- speculative decoding: target verify ---------------------------------------------------------
