@@ -507,12 +507,13 @@ def page_table_from_tokens_kernel(
     SWA the same slots through ``swa_mapping`` (a hybrid pool's full -> sliding-window slots)
     into ``swa_out``. Entries past a request's length are not written (no kernel reads them).
 
-    Program (i, b) fills entries [i * BLOCK, (i + 1) * BLOCK) of request b. A row id outside
-    the table, a column past it, a negative slot or one outside the mapping gives page id -1,
-    which the page audit flags and the attention kernels never dereference: nothing is read
+    Program (b, i) fills entries [i * BLOCK, (i + 1) * BLOCK) of request b (requests on the
+    grid's first dimension, which has no 65535 limit). A row id outside the table, a column
+    past it, a negative slot or one outside the mapping gives page id -1, which the page
+    audit flags and the attention kernels never dereference: nothing is read
     outside the token table or the mapping, whatever the batch data says."""
-    b = tl.program_id(1)
-    first = tl.program_id(0) * BLOCK
+    b = tl.program_id(0)
+    first = tl.program_id(1) * BLOCK
     n = tl.load(seq_lens_ptr + b).to(tl.int64)
     used = tl.minimum(tl.cdiv(tl.maximum(n, 0), PAGE_SIZE), width)
     if first < used:

@@ -127,7 +127,7 @@ def launch_page_tables(token_table, row_ids, seq_lens, out, *, page_size: int, s
     batch, width = out.shape
     swa = swa_mapping is not None
     return launch_or_compile(
-        page_table_from_tokens_kernel, (max(triton.cdiv(width, PAGE_TABLE_BLOCK), 1), batch), warmup,
+        page_table_from_tokens_kernel, (batch, max(triton.cdiv(width, PAGE_TABLE_BLOCK), 1)), warmup,
         token_table, row_ids, seq_lens, out, swa_mapping if swa else token_table, swa_out if swa else out,
         token_table.shape[0], token_table.shape[1], token_table.stride(0), width, out.stride(0),
         swa_mapping.shape[0] if swa else 0, swa_out.stride(0) if swa else 0,
