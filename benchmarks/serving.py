@@ -585,14 +585,21 @@ def compiled_since(before: dict[str, str], cache_dir: Path) -> list[str]:
 # -- child: one engine, one shape, one backend --------------------------------------------------
 
 
+# The last line of a Python traceback ("torch.OutOfMemoryError: CUDA out of memory. ...").
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b: ")
+
+
 class ServerLog:
     """Copies a server's output to this process's stdout and remembers when its first line came
-    (the server's imports are done then), so start-up splits into imports and engine init."""
+    (the server's imports are done then), so start-up splits into imports and engine init, and
+    the last exception it printed, so a failed workload's row names the server's error, not
+    only what the client saw of it."""
 
     def __init__(self, proc: subprocess.Popen):
         import threading
 
         self.first_line_at: float | None = None
+        self.last_exception: str | None = None
         self._thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
         self._thread.start()
 
@@ -600,8 +607,16 @@ class ServerLog:
         for line in stream:
             if self.first_line_at is None:
                 self.first_line_at = time.time()
+            if _EXCEPTION_LINE.match(line):
+                self.last_exception = line.strip()
             sys.stdout.write(line)
         sys.stdout.flush()
+
+    def exception(self, wait_s: float = 2.0) -> str | None:
+        """The last exception line the server printed, once its output has drained (up to
+        ``wait_s`` seconds while it still runs)."""
+        self._thread.join(wait_s)
+        return self.last_exception
 
 
 def child_setup(a) -> EngineSetup:
@@ -651,7 +666,7 @@ def run_child(a, rows: list[dict]):
     mem = memory_fraction(a.engine, a.mode, a.mem)
     base["mem_fraction"] = mem
     warmup = Workload("warmup", [64, 3000, 17], [8, 8, 8])  # untimed: whatever loads lazily on first use
-    finished, proc = set(), None
+    finished, proc, server_log = set(), None, None
     try:
         if a.engine == "vllm":
             t = time.time()
@@ -703,7 +718,7 @@ def run_child(a, rows: list[dict]):
             print(f"[serving]   {rows[-1]}", flush=True)
     except BaseException as error:
         # A row for each workload that did not finish, with the start-up figures measured so far.
-        status = unfinished_status(error)
+        status = unfinished_status(error, server_log.exception() if server_log is not None else None)
         rows.extend({**base, "workload": name, "status": status} for name in row_names if name not in finished)
         raise
     finally:
@@ -711,13 +726,19 @@ def run_child(a, rows: list[dict]):
             stop_server(proc)
 
 
-def unfinished_status(error: BaseException) -> str:
+def unfinished_status(error: BaseException, server_error: str | None = None) -> str:
     """The status of a workload the child did not finish: ``stopped`` when the parent's budget ran
-    out (its SIGTERM exits with 143), else ``error: <exception>``."""
+    out (its SIGTERM exits with 143), else ``error: <exception>``, led by the server's own last
+    exception line where it printed one (a server that dies mid-run shows the client only a
+    cut-off response)."""
     if isinstance(error, SystemExit) and error.code == 143:
         return "stopped"
-    text = f"{type(error).__name__}: {error}".replace("\n", " ")
-    return "error: " + (text[:160] + "..." if len(text) > 160 else text)
+    text = _clip(f"{type(error).__name__}: {error}".replace("\n", " "))
+    return f"error: server: {_clip(server_error)}; client: {text}" if server_error else f"error: {text}"
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text[:limit] + "..." if len(text) > limit else text
 
 
 # -- parent: children, CSV, summary, plots ---------------------------------------------------------

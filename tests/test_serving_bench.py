@@ -683,6 +683,25 @@ def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypat
     assert len(serving.unfinished_status(ValueError("x" * 300))) < 200
 
 
+def test_a_server_that_dies_mid_run_is_named_in_the_row(tmp_path, monkeypatch):
+    """A server whose scheduler dies while a workload runs shows the client only a cut-off
+    response: the row's status leads with the server's own last exception line."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0-test"))
+    crash = ("import sys; print('Traceback (most recent call last):'); "
+             "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.02 GiB.'); sys.exit(1)")
+    monkeypatch.setattr(serving, "sglang_server_cmd", lambda *args: [sys.executable, "-c", crash])
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    a = serving.parse_args(["child", "--engine", "sglang", "--shape", "qwen3-30b-a3b-attn", "--backend", "evenkv",
+                            "--workloads", "chat", "--model-dir", str(tmp_path), "--startup-timeout", "60"])
+    rows = []
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        serving.run_child(a, rows)
+    assert rows[0]["status"] == ("error: server: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                                 "1.02 GiB.; client: RuntimeError: the server exited with 1 before it was ready")
+
+
 _HEALTHY_SERVER = """
 import http.server, sys
 class Health(http.server.BaseHTTPRequestHandler):
