@@ -352,8 +352,8 @@ def test_page_tables_from_token_table(device, page_size, swa):
     table[1, 0] = -1  # a negative slot
     table[3, 4 * page_size] = num_slots + 50  # past the mapping
     mapping = torch.randint(-1, 60, (num_slots + page_size + 1,), generator=gen)
-    row_ids = torch.tensor([3, 0, 7, 1, -2])  # rows 7 and -2 lie outside the table
-    lens = torch.tensor([5 * page_size + 1, 0, 2 * page_size, 10**6, 3 * page_size])
+    row_ids = torch.tensor([3, 0, 7, 1, -2, 2])  # rows 7 and -2 lie outside the table
+    lens = torch.tensor([5 * page_size + 1, 0, 2 * page_size, 10**6, 3 * page_size, 2**63 - 2])
     out = torch.full((len(row_ids), width), -7, dtype=torch.int32)
     swa_out = torch.full_like(out, -9)
     launch_page_tables(table.to(device), row_ids.to(device), lens.to(device), out_dev := out.to(device),
@@ -361,7 +361,7 @@ def test_page_tables_from_token_table(device, page_size, swa):
                        swa_out=(swa_dev := swa_out.to(device)) if swa else None)
     want, want_swa = out.clone(), swa_out.clone()
     for b, (row, n) in enumerate(zip(row_ids.tolist(), lens.tolist())):
-        used = min(-(-n // page_size), width)
+        used = min(-(-n // page_size), width)  # Python ints: no wrap
         for j in range(used):
             slot = int(table[row, j * page_size]) if 0 <= row < rows else -1
             want[b, j] = slot // page_size if slot >= 0 else -1
@@ -371,7 +371,7 @@ def test_page_tables_from_token_table(device, page_size, swa):
     # The cases are there: a request of length 0 untouched, rows outside the table and a negative
     # slot as -1, a length past the width capped at it.
     assert (want[1] == -7).all() and (want[2, :2] == -1).all() and (want[2, 2:] == -7).all()
-    assert want[3, 0] == -1 and (want[3, 1:] >= 0).all() and (want[4, :3] == -1).all()
+    assert want[3, 0] == -1 and (want[3, 1:] >= 0).all() and (want[4, :3] == -1).all() and (want[5] >= 0).all()
     if swa:
         assert want_swa[0, 4] == -1  # its slot lies past the mapping
         assert torch.equal(swa_dev.cpu(), want_swa)

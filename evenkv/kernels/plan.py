@@ -514,8 +514,9 @@ def page_table_from_tokens_kernel(
     outside the token table or the mapping, whatever the batch data says."""
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK
-    n = tl.load(seq_lens_ptr + b).to(tl.int64)
-    used = tl.minimum(tl.cdiv(tl.maximum(n, 0), PAGE_SIZE), width)
+    # Clamped before the division: a length near the int64 limit must not wrap.
+    n = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b).to(tl.int64), 0), width.to(tl.int64) * PAGE_SIZE)
+    used = tl.cdiv(n, PAGE_SIZE)
     if first < used:
         cols = first + tl.arange(0, BLOCK)
         mask = cols < used
