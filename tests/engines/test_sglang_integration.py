@@ -944,8 +944,8 @@ class FreshTensors(TorchDispatchMode):
 def test_graph_refill_allocates_nothing_table_sized(lane, monkeypatch):
     """At page 1 a page table is as wide as the batch's longest request: the graph refill
     before each replay writes the tables of both pools in place, allocating nothing near
-    B x width (a server of 1,102 requests of up to 124K tokens ran out of memory on torch
-    gathers of whole req_to_token rows), and the replay is right."""
+    B x width (at a thousand requests of 100K+ tokens that is gigabytes a step), and the
+    replay is right."""
     world = hybrid_world(1, lane, ctx=2048, max_reqs=4)
     backend = world.backend()
     driver = GraphDriver(world, backend, bs=4)

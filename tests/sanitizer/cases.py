@@ -283,10 +283,10 @@ def hostile_cases():
         expect_flag(evenkv.errors.PAGE_OUT_OF_RANGE, evenkv.errors.SEQ_LEN_BELOW_Q_LEN,
                     evenkv.errors.QUERY_OUT_OF_RANGE)
         print(f"CASE ok hostile extend new_layout={new_layout}", flush=True)
-    return count + 3 + engine_prefill_hostile_case(q, k, v, seq_lens, pt)
+    return count + 3 + engine_prefill_hostile_case(q, k, v, seq_lens, pt, q_lens)
 
 
-def engine_prefill_hostile_case(q, k, v, seq_lens, pt):
+def engine_prefill_hostile_case(q, k, v, seq_lens, pt, q_lens):
     """The same hostile extend rows through ``Attention`` with vLLM's FA3 as its prefill kernel:
     the rows' guard and the zeroing page audit bound them before FA3, which trusts its
     arguments, dereferences them. Counts 0, with a line that says so, where FA3 is not
@@ -302,7 +302,7 @@ def engine_prefill_hostile_case(q, k, v, seq_lens, pt):
                             prefill_kernel=fa)
     for bad in ("page", "length", "rows"):
         bad_pt, bad_lens = pt.clone(), seq_lens.clone()
-        cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=DEV)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
         if bad == "page":
             bad_pt[0, 1] = 10**7
         elif bad == "length":
