@@ -88,7 +88,13 @@ Metrics per (engine, mode, tp, shape, backend, workload): output tokens/s, reque
 and TPOT p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per request),
 decode step p50 (vLLM), peak requests in flight, ``tokens_per_step`` (new tokens per request
 per engine step after its first: 1 without speculation, more when drafts were accepted;
-SGLang reports it only under speculation, from its verify-step count).
+SGLang reports it only under speculation, from its verify-step count). KV room (SGLang, from
+the batches its scheduler logs: each prefill batch and every 40th decode batch):
+``kv_usage_peak``, the fullest any KV pool got, and ``kv_full_queued``, "n/m" of the logged
+batches that found a pool full (>= 0.98) with requests waiting. Where n > 0 the workload's pace
+was partly admission (when a pool frees room: on SGLang's hybrid pool, when tokens leave the
+window), which moves with small timing differences, so its ratios vary more from run to run
+than the steps' speed does.
 ``run`` is the parent invocation's start (UTC), so the rows of several invocations merged into
 one CSV stay apart: ``summary.md`` gives each backend's ratios to the engine's default backend
 in the same run, mode, tp, shape, workload and repeat, and its start-up difference.
@@ -142,7 +148,8 @@ MODES = ("default", "batch-invariant", "spec-ngram")
 COLUMNS = ["engine", "engine_version", "mode", "tp", "kv_cache_dtype", "shape", "backend", "workload", "graphs",
            "torch_compile", "spec", "repeat", "run", "start_order", "requests", "prompt_tokens", "output_tokens", "makespan_s", "output_tok_s",
            "requests_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms",
-           "decode_steps", "tokens_per_step", "max_in_flight", "mem_fraction", "startup_s", "engine_init_s", "import_s",
+           "decode_steps", "tokens_per_step", "max_in_flight", "kv_usage_peak", "kv_full_queued", "mem_fraction",
+           "startup_s", "engine_init_s", "import_s",
            "startup_phases", "triton_cache", "triton_compiles_startup", "compiled_during_warmup", "triton_compiles_run",
            "compiled_during_run", "status"]
 
@@ -589,17 +596,39 @@ def compiled_since(before: dict[str, str], cache_dir: Path) -> list[str]:
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b: ")
 
 
+# SGLang's scheduler logs each prefill batch and every 40th decode batch with each KV pool's
+# usage ("token usage: 0.08", or "full token usage: ..., swa token usage: ..." on a hybrid pool)
+# and the requests waiting for room ("#queue-req: 23").
+_BATCH_LINE = re.compile(r"\b(Prefill|Decode) batch\b")
+_POOL_USAGE = re.compile(r"token usage: ([\d.]+)")
+_QUEUED = re.compile(r"#queue-req: (\d+)")
+KV_FULL_USAGE = 0.98  # a pool this full admits no request that needs room
+
+
+def batch_pool_state(line: str) -> tuple[float, int] | None:
+    """(the fullest KV pool's usage, requests queued) of one SGLang batch log line, else None."""
+    if not _BATCH_LINE.search(line):
+        return None
+    usage = [float(u) for u in _POOL_USAGE.findall(line)]
+    queued = _QUEUED.search(line)
+    if not usage or queued is None:
+        return None
+    return max(usage), int(queued.group(1))
+
+
 class ServerLog:
     """Copies a server's output to this process's stdout and remembers when its first line came
-    (the server's imports are done then), so start-up splits into imports and engine init, and
-    the last exception it printed, so a failed workload's row names the server's error, not
-    only what the client saw of it."""
+    (the server's imports are done then), so start-up splits into imports and engine init; the
+    last exception it printed, so a failed workload's row names the server's error, not only what
+    the client saw of it; and the KV pools' state at each batch the server logged, so a row says
+    whether its workload waited for KV room (``pool_pressure``)."""
 
     def __init__(self, proc: subprocess.Popen):
         import threading
 
         self.first_line_at: float | None = None
         self.last_exception: str | None = None
+        self.batches: list[tuple[float, int]] = []  # batch_pool_state of each batch line
         self._thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
         self._thread.start()
 
@@ -609,8 +638,23 @@ class ServerLog:
                 self.first_line_at = time.time()
             if _EXCEPTION_LINE.match(line):
                 self.last_exception = line.strip()
+            state = batch_pool_state(line)
+            if state is not None:
+                self.batches.append(state)
             sys.stdout.write(line)
         sys.stdout.flush()
+
+    def pool_pressure(self, since: int) -> dict:
+        """Over the batches logged from index ``since``: ``kv_usage_peak``, the fullest any KV
+        pool was, and ``kv_full_queued``, "n/m": n of the m logged batches found a pool at least
+        KV_FULL_USAGE full with requests queued. Where n > 0 the workload's pace was set partly by
+        admission (how soon the pools free room), not only by the steps' speed. Empty cells where
+        the server logged no batch."""
+        logged = self.batches[since:]
+        if not logged:
+            return {"kv_usage_peak": "", "kv_full_queued": ""}
+        full = sum(usage >= KV_FULL_USAGE and queued > 0 for usage, queued in logged)
+        return {"kv_usage_peak": max(usage for usage, _ in logged), "kv_full_queued": f"{full}/{len(logged)}"}
 
     def exception(self, wait_s: float = 2.0) -> str | None:
         """The last exception line the server printed, once its output has drained (up to
@@ -711,7 +755,10 @@ def run_child(a, rows: list[dict]):
             print(f"[serving] {a.engine} {a.mode} {a.shape} {a.backend}: {w.name} ({len(w.prompt_lens)} requests)",
                   flush=True)
             before = compiled_kernels(cache)
+            logged = len(server_log.batches) if server_log is not None else 0
             row = serve(w)
+            if server_log is not None:
+                row.update(server_log.pool_pressure(logged))
             during = compiled_since(before, cache)
             rows.append({**base, **row, "triton_compiles_run": len(during), "compiled_during_run": ";".join(during)})
             finished.add(w.name)
@@ -869,7 +916,7 @@ def summary_markdown(rows: list[dict], notes=()) -> str:
     lines = ["# Serving benchmark", ""] + [f"- {n}" for n in notes] + [""]
     cols = ["engine", "mode", "tp", "kv_cache_dtype", "torch_compile", "shape", "backend", "workload", "start_order",
             "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "decode_step_p50_ms", "tokens_per_step",
-            "max_in_flight", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup",
+            "max_in_flight", "kv_full_queued", "startup_s", "engine_init_s", "triton_cache", "triton_compiles_startup",
             "triton_compiles_run", "status"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c) or "–") for c in cols) + " |" for r in rows]

@@ -618,6 +618,34 @@ def test_server_log_is_copied_and_its_first_line_timed(capfd):
     assert "server_args=...\nready" in capfd.readouterr().out
 
 
+def test_server_log_tracks_kv_pool_pressure_per_workload():
+    """The fullest KV pool and the batches that found one full with requests queued, from
+    SGLang's batch lines (hybrid and plain pools), counted from a workload's first batch."""
+    import subprocess
+
+    hybrid = ("[2026-12-05 18:53:26] Decode batch, #running-req: 233, #full token: 327551, full token usage: 0.08, "
+              "#swa token: 327551, swa token usage: 1.00, cuda graph: True, gen throughput (token/s): 818.20, "
+              "#queue-req: 23")
+    lines = ["server_args=...",
+             "[t] Prefill batch, #new-seq: 1, #new-token: 3, #cached-token: 0, token usage: 0.99, #running-req: 0, "
+             "#queue-req: 0, #pending-token: 0, cuda graph: True",  # full, but nobody waits
+             "[t] Decode batch, #running-req: 3, #token: 70, token usage: 0.50, cuda graph: True, #queue-req: 4",
+             hybrid,
+             "a line that mentions token usage: 1.00 but is no batch line, #queue-req: 9"]
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write(sys.stdin.read())"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = serving.ServerLog(proc)
+    proc.communicate("\n".join(lines) + "\n", timeout=10)
+    log._thread.join(10)
+    assert log.batches == [(0.99, 0), (0.5, 4), (1.0, 23)]
+    assert log.pool_pressure(0) == {"kv_usage_peak": 1.0, "kv_full_queued": "1/3"}
+    assert log.pool_pressure(1) == {"kv_usage_peak": 1.0, "kv_full_queued": "1/2"}
+    assert log.pool_pressure(2) == {"kv_usage_peak": 1.0, "kv_full_queued": "1/1"}
+    assert log.pool_pressure(3) == {"kv_usage_peak": "", "kv_full_queued": ""}  # no batch logged since
+    assert serving.batch_pool_state(lines[1]) == (0.99, 0)
+    assert serving.batch_pool_state(lines[4]) is None
+
+
 def test_engine_startup_phases_from_the_engines_logs():
     vllm_log = ("INFO 12-03 14:55:54.881 [backends.py:1155] Dynamo bytecode transform time: 3.50 s\n"
                 "INFO 12-03 14:55:56.953 [monitor.py:53] torch.compile took 5.57 s in total\n"
