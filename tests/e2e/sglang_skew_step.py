@@ -2,7 +2,8 @@
 
 usage:
   python3 tests/sglang_skew_step.py run --model DIR --backend evenkv|triton [--graphs 1] [--long 16384]
-          [--short 63] [--short-min 16] [--short-max 256] [--steps 64] [--reps 3] [--json FILE]
+          [--short 63] [--short-min 16] [--short-max 256] [--steps 64] [--reps 3] [--load-format dummy]
+          [--json FILE]
   python3 tests/sglang_skew_step.py compare A.json B.json
 
 Workload: one prompt of --long tokens beside --short prompts of --short-min..--short-max tokens
@@ -41,7 +42,7 @@ def run(a) -> dict:
     kw = dict(model_path=a.model, skip_tokenizer_init=True, attention_backend=a.backend, sampling_backend="pytorch",
               dtype="bfloat16", mem_fraction_static=a.mem, max_total_tokens=total + len(lens) * (a.steps + 8) + 4096,
               chunked_prefill_size=-1, max_prefill_tokens=total + 1024, max_running_requests=len(lens),
-              disable_radix_cache=True, log_level=a.log_level, random_seed=0)
+              disable_radix_cache=True, log_level=a.log_level, random_seed=0, load_format=a.load_format)
     if a.graphs:
         kw.update(cuda_graph_max_bs_decode=len(lens), disable_prefill_cuda_graph=True)
     else:
@@ -103,6 +104,7 @@ def main(argv=None):
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--mem", type=float, default=0.1)
     r.add_argument("--log-level", default="error")
+    r.add_argument("--load-format", default="auto", help="dummy: random weights for a config-only model directory")
     r.add_argument("--json")
     c = sub.add_parser("compare")
     c.add_argument("paths", nargs=2)
