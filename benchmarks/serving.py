@@ -1101,6 +1101,9 @@ def run_parent(a) -> int:
     if a.triton_cache == "shared":
         shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
     children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
+    if len(children) * a.min_child > a.budget:
+        print(f"[serving] WARNING: --budget {a.budget:.0f} s is less than {len(children)} children x --min-child "
+              f"{a.min_child:.0f} s: children are skipped from the first on until the rest fit", flush=True)
     if a.untimed_start and children:
         untimed_start(a, children[0], out, child_deadline(t_end - time.time(), len(children) + 1, a.min_child))
     for k, c in enumerate(children):

@@ -572,6 +572,25 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
     assert (out / "summary.md").exists()
 
 
+def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, monkeypatch, capsys):
+    """Two children at --min-child 60 in 100 s: the parent says so before starting, skips the
+    first (40 s would be left for it) and runs the second."""
+    child = ("import json, sys\n"
+             "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+             "open(a['--json'], 'w').write(json.dumps([{'engine': 'sglang', 'backend': a['--backend'], "
+             "'workload': 'chat', 'status': 'ok'}]))\n")
+    monkeypatch.setattr(serving, "child_cmd", lambda a, c, rows_json, startup_file: [
+        sys.executable, "-c", child, "--backend", c.backend, "--json", str(rows_json)])
+    monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)  # the untimed engine import
+    out = tmp_path / "run"
+    assert serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--first", "evenkv",
+                         "--min-child", "60", "--budget", "100"]) == 1
+    printed = capsys.readouterr().out
+    assert "WARNING: --budget 100 s is less than 2 children x --min-child 60 s" in printed
+    assert "SKIPPED sglang default qwen3-30b-a3b-attn evenkv" in printed
+    assert [r["backend"] for r in serving.read_rows(out / "serving.csv")] == ["fa3"]
+
+
 def test_untimed_start_runs_first_and_writes_no_row(tmp_path, monkeypatch):
     """--untimed-start: one start-up-only start of the first child's engine, with its own Triton
     cache, before the timed children; only the timed children have rows."""
