@@ -649,7 +649,8 @@ class ServerLog:
         pool was, and ``kv_full_queued``, "n/m": n of the m logged batches found a pool at least
         KV_FULL_USAGE full with requests queued. Where n > 0 the workload's pace was set partly by
         admission (how soon the pools free room), not only by the steps' speed. Empty cells where
-        the server logged no batch."""
+        the server logged no batch. The lines arrive through a pipe while the client runs, so a
+        batch logged in a workload's last milliseconds may count toward the next one."""
         logged = self.batches[since:]
         if not logged:
             return {"kv_usage_peak": "", "kv_full_queued": ""}
@@ -1101,8 +1102,10 @@ def run_parent(a) -> int:
     if a.triton_cache == "shared":
         shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
     children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
-    if len(children) * a.min_child > a.budget:
-        print(f"[serving] WARNING: --budget {a.budget:.0f} s is less than {len(children)} children x --min-child "
+    starts = len(children) + bool(a.untimed_start and children)
+    left = t_end - time.time()
+    if starts * a.min_child > left:
+        print(f"[serving] WARNING: {left:.0f} s of --budget left for {starts} engine starts x --min-child "
               f"{a.min_child:.0f} s: children are skipped from the first on until the rest fit", flush=True)
     if a.untimed_start and children:
         untimed_start(a, children[0], out, child_deadline(t_end - time.time(), len(children) + 1, a.min_child))

@@ -20,7 +20,9 @@ Modes:
                HF's argmax / near-ties (within --tol nats of it) / bad, the largest
                |engine logprob - HF logprob|, and evenkv vs the baseline (same tokens up to
                the first divergence, whether each divergence is a near-tie under HF).
-               ok=1: no bad token, logprobs within --lp-tol, divergences near-ties; over an
+               ok=1: no bad token, logprobs within --lp-tol, divergences near-ties, and each
+               backend's rerun of the same prompts repeats its tokens (under speculation a
+               rerun may differ, where each prompt's first difference is an HF near-tie); over an
                FP8 cache (--kv-cache-dtype), which HF does not round, evenkv at least as
                close to HF as the baseline on the same cache (bad tokens, largest logprob
                difference up to the larger of --lp-tol and the baseline's).
@@ -491,12 +493,16 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
     fp8 = a.kv_cache_dtype.startswith("fp8")
     # Under speculation a rerun's drafts differ (the n-gram cache, or the draft's own state, is
     # warm by then), and a position verified in a row of another length or tree may round to the
-    # other side of a near-tie: there a rerun may differ, first at an HF near-tie only. Without
-    # speculation it must repeat the first run's tokens exactly.
+    # other side of a near-tie: there a rerun may differ, first at an HF near-tie only (over an
+    # FP8 cache, whose rounding HF does not see, an engine-side near-tie can still fail this).
+    # Without speculation it must repeat the first run's tokens exactly.
     spec = bool(spec_tokens(a))
     outputs = [runs[name]["tokens"] for name in runs]
-    if spec:
-        outputs += [runs[name]["rerun_tokens"] for name in runs]
+    rerun_output = {}  # backend -> its differing rerun's index in outputs
+    for name in runs:
+        if spec and not runs[name]["rerun_same"]:
+            rerun_output[name] = len(outputs)
+            outputs.append(runs[name]["rerun_tokens"])
     scores = hf_scores(a.model, prompts, outputs)
     token_lps = [[scores[i][k][2] for i in range(len(prompts))] for k in range(len(outputs))]
     fields, ok, stats = [], True, {}
@@ -516,13 +522,13 @@ def compare_report(a, ev: dict, tr: dict) -> tuple[str, bool]:
         rerun_ok = runs[name]["rerun_same"]
         fields += [f"{name}_hf_top1={agree}/{total}", f"{name}_hf_near_ties={near}", f"{name}_hf_bad={bad}",
                    f"{name}_hf_max_lp_diff={max_dlp:.4f}", f"{name}_rerun_same={int(rerun_ok)}"]
-        if spec and not rerun_ok:
+        if name in rerun_output:
             div, ties = first_divergences(runs[name]["tokens"], runs[name]["rerun_tokens"], token_lps[k],
-                                          token_lps[len(runs) + k], a.tol)
+                                          token_lps[rerun_output[name]], a.tol)
             rerun_ok = div == ties
             fields += [f"{name}_rerun_divergences={div}", f"{name}_rerun_divergences_near_tie={ties}"]
         ok &= rerun_ok and (fp8 or (bad == 0 and max_dlp <= a.lp_tol))
-        fields += [f"{name}_{k}={v}" for k, v in sorted(runs[name].get("spec", {}).items()) if spec_tokens(a)]
+        fields += [f"{name}_{key}={v}" for key, v in sorted(runs[name].get("spec", {}).items()) if spec]
     # evenkv vs the baseline: same tokens up to the first divergence; a divergence must be a
     # near-tie under HF (the contexts are equal up to there, so HF's row is shared).
     same = total = 0
