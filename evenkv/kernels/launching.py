@@ -14,12 +14,12 @@ from triton.runtime.driver import driver
 
 try:
     from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
-except ImportError:  # Triton < 3.5
+except ImportError:  # private to Triton: where it moves, kernels build one at a time
     AsyncCompileMode = FutureKernel = active_mode = None
 try:
     from triton import knobs
     from triton._C.libtriton import native_specialize_impl as _native_specialize
-except ImportError:  # Triton < 3.4: every launch goes through kernel[grid]
+except ImportError:  # private to Triton: where it moves, every launch goes through kernel[grid]
     knobs = _native_specialize = None
 
 
