@@ -31,7 +31,7 @@ for lane in $LANES; do
       step "installing torch 2.13.0 and evenkv[test,bench]"
       "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" setuptools wheel
       "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,bench]"
-      step "pytest (kernels under the interpreter: about 8 minutes on 2 cores)"
+      step "pytest (kernels under the interpreter: about 22 minutes on 2 cores)"
       "$venv/bin/python" -m pytest -q tests --ignore=tests/engines
       ;;
     vllm|vllm-0.33)
