@@ -88,10 +88,11 @@ Metrics per (engine, mode, tp, shape, backend, workload): output tokens/s, reque
 and TPOT p50/p99 (TPOT = (last token time - first token time) / (tokens - 1) per request),
 decode step p50 (vLLM), peak requests in flight, ``tokens_per_step`` (new tokens per request
 per engine step after its first: 1 without speculation, more when drafts were accepted;
-SGLang reports it only under speculation, from its verify-step count). KV room (SGLang, from
-the batches its scheduler logs: each prefill batch and every 40th decode batch):
-``kv_usage_peak``, the fullest any KV pool got, and ``kv_full_queued``, "n/m" of the logged
-batches that found a pool full (>= 0.98) with requests waiting. Where n > 0 the workload's pace
+SGLang reports it only under speculation, from its verify-step count). KV room, sampled from
+vLLM's scheduler after every engine step and from the batches SGLang's scheduler logs (each
+prefill batch and every 40th decode batch): ``kv_usage_peak``, the fullest any KV pool got,
+and ``kv_full_queued``, "n/m" of the m samples that found a pool full (>= 0.98) with requests
+waiting. Where n > 0 the workload's pace
 was partly admission (when a pool frees room: on SGLang's hybrid pool, when tokens leave the
 window), which moves with small timing differences, so its ratios vary more from run to run
 than the steps' speed does.
@@ -394,7 +395,7 @@ def vllm_serve(llm, w: Workload, prompts: list[list[int]]) -> dict:
     timings = [RequestTiming(a) for a in w.arrivals]
     order = sorted(range(len(prompts)), key=lambda i: w.arrivals[i])
     index, next_arrival, unfinished, started = {}, 0, set(), set()
-    decode_steps, max_in_flight = [], 0
+    decode_steps, max_in_flight, pool_states = [], 0, []
     tag = time.time_ns()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -419,13 +420,28 @@ def vllm_serve(llm, w: Workload, prompts: list[list[int]]) -> dict:
         now = time.perf_counter() - t0
         if decoding:
             decode_steps.append(now - (ts - t0))
+        state = vllm_pool_state(engine)
+        if state is not None:
+            pool_states.append(state)
         for o in outs:
             i = index[o.request_id]
             timings[i].record(now, len(o.outputs[0].token_ids))
             started.add(i)
             if o.finished:
                 unfinished.discard(i)
-    return summarize(w, timings, decode_steps, max_in_flight)
+    return {**summarize(w, timings, decode_steps, max_in_flight), **pool_pressure(pool_states)}
+
+
+def vllm_pool_state(engine) -> tuple[float, int] | None:
+    """(KV cache usage in [0, 1], requests waiting) of an in-process vLLM engine's scheduler
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``LLMEngine.engine_core`` is an ``InprocClient``
+    holding the ``EngineCore``), or None where a vLLM keeps them elsewhere. Requests its
+    scheduler set aside this step (``skipped_waiting``, where it has one) wait too."""
+    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    if manager is None or not hasattr(scheduler, "waiting"):
+        return None
+    return float(manager.usage), len(scheduler.waiting) + len(getattr(scheduler, "skipped_waiting", ()))
 
 
 # -- SGLang (HTTP server, streaming client) ----------------------------------------------------
@@ -616,6 +632,18 @@ def batch_pool_state(line: str) -> tuple[float, int] | None:
     return max(usage), int(queued.group(1))
 
 
+def pool_pressure(states: list[tuple[float, int]]) -> dict:
+    """A workload's KV room from its (fullest pool's usage, requests waiting) samples:
+    ``kv_usage_peak``, the fullest any pool was, and ``kv_full_queued``, "n/m": n of the m
+    samples found a pool at least KV_FULL_USAGE full with requests waiting. Where n > 0 the
+    workload's pace was set partly by admission (how soon the pools free room), not only by the
+    steps' speed. Empty cells without samples."""
+    if not states:
+        return {"kv_usage_peak": "", "kv_full_queued": ""}
+    full = sum(usage >= KV_FULL_USAGE and queued > 0 for usage, queued in states)
+    return {"kv_usage_peak": max(usage for usage, _ in states), "kv_full_queued": f"{full}/{len(states)}"}
+
+
 class ServerLog:
     """Copies a server's output to this process's stdout and remembers when its first line came
     (the server's imports are done then), so start-up splits into imports and engine init; the
@@ -645,17 +673,10 @@ class ServerLog:
         sys.stdout.flush()
 
     def pool_pressure(self, since: int) -> dict:
-        """Over the batches logged from index ``since``: ``kv_usage_peak``, the fullest any KV
-        pool was, and ``kv_full_queued``, "n/m": n of the m logged batches found a pool at least
-        KV_FULL_USAGE full with requests queued. Where n > 0 the workload's pace was set partly by
-        admission (how soon the pools free room), not only by the steps' speed. Empty cells where
-        the server logged no batch. The lines arrive through a pipe while the client runs, so a
-        batch logged in a workload's last milliseconds may count toward the next one."""
-        logged = self.batches[since:]
-        if not logged:
-            return {"kv_usage_peak": "", "kv_full_queued": ""}
-        full = sum(usage >= KV_FULL_USAGE and queued > 0 for usage, queued in logged)
-        return {"kv_usage_peak": max(usage for usage, _ in logged), "kv_full_queued": f"{full}/{len(logged)}"}
+        """``pool_pressure`` over the batches logged from index ``since``. The lines arrive
+        through a pipe while the client runs, so a batch logged in a workload's last
+        milliseconds may count toward the next one."""
+        return pool_pressure(self.batches[since:])
 
     def exception(self, wait_s: float = 2.0) -> str | None:
         """The last exception line the server printed, once its output has drained (up to

@@ -665,6 +665,24 @@ def test_server_log_tracks_kv_pool_pressure_per_workload():
     assert serving.batch_pool_state(lines[4]) is None
 
 
+def test_vllm_pool_state_from_an_in_process_scheduler():
+    """KV usage and the requests waiting (queued and set aside) from vLLM's scheduler, as
+    vLLM 0.26-0.33 nest it; None where the engine has no in-process scheduler."""
+    from types import SimpleNamespace as NS
+
+    def engine(scheduler):
+        return NS(engine_core=NS(engine_core=NS(scheduler=scheduler)))
+
+    full = NS(kv_cache_manager=NS(usage=0.99), waiting=[1, 2], skipped_waiting=[3])
+    assert serving.vllm_pool_state(engine(full)) == (0.99, 3)
+    assert serving.vllm_pool_state(engine(NS(kv_cache_manager=NS(usage=0.25), waiting=[]))) == (0.25, 0)
+    assert serving.vllm_pool_state(NS(engine_core=NS())) is None  # a multiprocess client
+    assert serving.vllm_pool_state(engine(NS(waiting=[]))) is None
+    assert serving.pool_pressure([(0.99, 3), (0.25, 0), (0.99, 0)]) == {"kv_usage_peak": 0.99,
+                                                                       "kv_full_queued": "1/3"}
+    assert serving.pool_pressure([]) == {"kv_usage_peak": "", "kv_full_queued": ""}
+
+
 def test_engine_startup_phases_from_the_engines_logs():
     vllm_log = ("INFO 12-03 14:55:54.881 [backends.py:1155] Dynamo bytecode transform time: 3.50 s\n"
                 "INFO 12-03 14:55:56.953 [monitor.py:53] torch.compile took 5.57 s in total\n"
