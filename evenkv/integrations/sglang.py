@@ -12,12 +12,15 @@ schedule (``evenkv.DecodeAttention``'s ``policy``); ``EVENKV_DETERMINISTIC=1`` m
 batch invariant (``DecodeAttention(deterministic=True)``).
 
 Speculative decoding (``--speculative-algorithm NGRAM | EAGLE | EAGLE3 | STANDALONE``): the target
-model's verify batches run on evenkv (``speculative_verify``). The draft model's attention does
-not: SGLang builds a draft worker's backends from a fixed table of its own
-(``DraftBackendFactory``, ``sglang/srt/speculative/draft_utils.py``), so EAGLE-family drafts run
-on the backend named by ``--speculative-draft-attention-backend``. Where evenkv is the target's
-backend and that flag is not given, ``register`` makes it ``triton`` (SGLang's plugin hook
-before a ServerArgs is resolved), so the target switches to evenkv with one flag.
+model's verify batches run on evenkv (``speculative_verify``). An EAGLE-family draft model's
+attention runs on the backend named by ``--speculative-draft-attention-backend``. SGLang builds
+a draft worker's backends from a fixed table of its own (``DraftBackendFactory``,
+``sglang/srt/speculative/draft_utils.py``); ``register`` wraps its two builders (SGLang's plugin
+hooks) so that the name ``evenkv`` builds evenkv's: the draft model runner's own backend for
+its prefill and DRAFT_EXTEND_V2 batches, and ``sglang_draft.EvenKVMultiStepDraftBackend`` for its
+decode steps (chains, ``speculative_eagle_topk`` 1). Where evenkv is the target's backend and
+that flag is not given, ``register`` makes it ``triton`` (a hook before a ServerArgs is
+resolved), which also serves draft trees.
 
 gpt-oss (``GptOssForCausalLM``; Gemma 4 and Llama 4 likewise) cannot select evenkv: SGLang
 asserts that both attention backends are in a list literal of built-in names (0.5.17:
@@ -56,7 +59,7 @@ def register() -> None:
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
     _declare_deterministic()
-    _hook_draft_attention_default()
+    _hook_draft_backends()
     if ATTENTION_BACKENDS.get(NAME) is not create_backend:
         register_attention_backend(NAME)(create_backend)
 
@@ -71,31 +74,71 @@ def server_args_resolution() -> str:
     return f"sglang.srt.server_args.ServerArgs.{method}"
 
 
-def _hook_draft_attention_default() -> None:
-    """Run ``default_draft_attention`` before every ServerArgs of this process is resolved
-    (SGLang's plugin hooks: registered while ``load_plugins`` runs this module's ``register``,
-    applied after it, before any ServerArgs is built). Once per process."""
+DRAFT_BACKEND_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory"
+
+
+def _hook_draft_backends() -> None:
+    """SGLang's plugin hooks (registered while ``load_plugins`` runs this module's ``register``,
+    applied after it, before any ServerArgs is built), once per process: ``default_draft_attention``
+    before every ServerArgs is resolved; ``draft_decode_backend`` and ``draft_extend_backend``
+    around the draft worker's backend builders."""
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    except ImportError:  # an SGLang without plugin hooks: the draft worker's refusal names the flag
+    except ImportError:  # an SGLang without plugin hooks: its draft worker names the flag when it refuses
         return
-    target = server_args_resolution()
-    if not any(hook is default_draft_attention for _, hook, _ in HookRegistry._hooks.get(target, ())):
-        HookRegistry.register(target, default_draft_attention, HookType.BEFORE)
+    for target, hook, kind in ((server_args_resolution(), default_draft_attention, HookType.BEFORE),
+                               (f"{DRAFT_BACKEND_FACTORY}.create_decode_backend", draft_decode_backend,
+                                HookType.AROUND),
+                               (f"{DRAFT_BACKEND_FACTORY}.create_draft_extend_backend", draft_extend_backend,
+                                HookType.AROUND)):
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, kind)
+
+
+def draft_decode_backend(create, factory, *args, **kwargs):
+    """``DraftBackendFactory.create_decode_backend`` with evenkv among its backends: where the
+    draft attention backend is evenkv, the multi-step backend of the draft's decode steps (None
+    for one step, as SGLang's own rule has it), else SGLang's own choice."""
+    if factory.draft_attn_backend != NAME:
+        return create(factory, *args, **kwargs)
+    if factory.speculative_num_steps <= 1:
+        return None
+    from evenkv.integrations.sglang_draft import EvenKVMultiStepDraftBackend
+
+    return EvenKVMultiStepDraftBackend(_draft_runner_backend(factory), factory.topk, factory.speculative_num_steps)
+
+
+def draft_extend_backend(create, factory, *args, **kwargs):
+    """``DraftBackendFactory.create_draft_extend_backend`` with evenkv among its backends: where
+    the draft attention backend is evenkv, the draft model runner's own evenkv backend (its
+    DRAFT_EXTEND_V2 batches are extend batches to it), else SGLang's own choice."""
+    if factory.draft_attn_backend != NAME:
+        return create(factory, *args, **kwargs)
+    return _draft_runner_backend(factory)
+
+
+def _draft_runner_backend(factory):
+    """The draft model runner's evenkv backend: the one SGLang built for it from the registry
+    (its --speculative-draft-attention-backend names evenkv), else a new one."""
+    from evenkv.integrations.sglang_backend import EvenKVAttnBackend
+
+    runner = factory.draft_model_runner
+    backend = getattr(runner, "attn_backend", None)
+    return backend if isinstance(backend, EvenKVAttnBackend) else create_backend(runner)
 
 
 def default_draft_attention(server_args, *args, **kwargs) -> None:
     """Where evenkv serves a speculative target with a draft model and the operator named no
-    ``speculative_draft_attention_backend``, set it to DEFAULT_DRAFT_ATTENTION: SGLang would
-    otherwise look evenkv up in its draft backends' table and fail."""
+    ``speculative_draft_attention_backend``, set it to DEFAULT_DRAFT_ATTENTION, which serves
+    every draft shape (evenkv's draft backend: chains only)."""
     algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
     backends = {getattr(server_args, field, None)
                 for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend")}
     if algorithm in DRAFT_MODEL_ALGORITHMS and NAME in backends and \
             getattr(server_args, "speculative_draft_attention_backend", None) is None:
         server_args.speculative_draft_attention_backend = DEFAULT_DRAFT_ATTENTION
-        logger.info("evenkv: the %s draft model's attention runs on SGLang's %s backend (SGLang builds draft "
-                    "backends from its own table; --speculative-draft-attention-backend picks another)",
+        logger.info("evenkv: the %s draft model's attention runs on SGLang's %s backend "
+                    "(--speculative-draft-attention-backend evenkv runs draft chains on evenkv)",
                     algorithm, DEFAULT_DRAFT_ATTENTION)
 
 
@@ -204,10 +247,7 @@ def _speculative_reasons(model_runner) -> list[str]:
     args = model_runner.server_args
     algorithm = getattr(args, "speculative_algorithm", None)
     if getattr(model_runner, "is_draft_worker", False):
-        return ["the draft model of speculative decoding: SGLang builds a draft worker's attention backends "
-                "from a fixed table of its own (DraftBackendFactory, sglang/srt/speculative/draft_utils.py); "
-                "keep evenkv for the target model and pass --speculative-draft-attention-backend triton "
-                "(or fa3, flashinfer; triton is the default evenkv sets where none is given)"]
+        return _draft_reasons(model_runner)
     if algorithm is None:
         return []
     if algorithm not in SPECULATIVE_ALGORITHMS:
@@ -236,6 +276,27 @@ def _speculative_reasons(model_runner) -> list[str]:
             reasons.append(f"draft trees ({algorithm}) of {q_len} tokens under sliding windows of {short} keys: a "
                            "tree token's ancestors must lie in its window (evenkv's tree-masked verify rows bound "
                            "only the prefix by it)")
+    return reasons
+
+
+def _draft_reasons(model_runner) -> list[str]:
+    """Why evenkv cannot serve ``model_runner``'s draft model ([] = it can)."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    args = model_runner.server_args
+    algorithm = str(getattr(args, "speculative_algorithm", None) or "").upper()
+    if algorithm not in DRAFT_MODEL_ALGORITHMS:
+        return [f"a draft model under speculative algorithm {algorithm or None} (evenkv drafts for "
+                f"{', '.join(DRAFT_MODEL_ALGORITHMS)})"]
+    reasons = []
+    topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
+    if topk > 1:
+        reasons.append(f"draft trees (speculative_eagle_topk={topk}) in the draft model: evenkv's draft backend "
+                       f"runs chains (topk 1); pass --speculative-draft-attention-backend {DEFAULT_DRAFT_ATTENTION}")
+    if isinstance(model_runner.token_to_kv_pool, SWAKVPool):
+        reasons.append("a draft model on the hybrid SWA pool (its draft steps would write each step's token to "
+                       "the sliding-window pool too); pass --speculative-draft-attention-backend "
+                       f"{DEFAULT_DRAFT_ATTENTION}")
     return reasons
 
 

@@ -168,9 +168,13 @@ class EvenKVAttnBackend(AttentionBackend):
         self.max_context_len = model_runner.model_config.context_len
         max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
+        # A draft model's backend (EAGLE family) sees prefill, DRAFT_EXTEND_V2 and, through
+        # EvenKVMultiStepDraftBackend, decode rows; never a TARGET_VERIFY batch.
+        self.is_draft = bool(getattr(model_runner, "is_draft_worker", False))
         # Speculative verify: D query tokens per request, as decode rows (tree-masked or causal).
         # Batches hold rows of 1 (decode) or D (verify) tokens: only those kernels are built.
-        self.verify_q_len, self.tree_verify = speculative_verify(model_runner.server_args)
+        self.verify_q_len, self.tree_verify = (0, False) if self.is_draft else speculative_verify(
+            model_runner.server_args)
         prefill = sglang_flash_attention(self.device)
         self.layer_kinds, self.sinks_dtype = model_layer_kinds(model_runner.model, self.swa_layer_ids)
         self.attentions = {}
@@ -288,22 +292,32 @@ class EvenKVAttnBackend(AttentionBackend):
 
     def _refuse_mode(self, mode) -> None:
         if mode.is_target_verify() and not self.verify_q_len:
-            raise NotImplementedError("evenkv: a TARGET_VERIFY batch, but this server runs no speculative decoding "
-                                      "(the backend was built without verify rows)")
-        if mode.is_draft_extend_v2() or mode.name in ("DLLM_EXTEND", "SPLIT_PREFILL"):
-            raise NotImplementedError(f"evenkv: forward mode {mode.name} is not supported (draft models run on "
-                                      "SGLang's own backends; no dLLM or PD multiplexing)")
+            raise NotImplementedError("evenkv: a TARGET_VERIFY batch, but this backend was built without verify rows "
+                                      "(no speculative decoding, or a draft model's backend)")
+        if mode.is_draft_extend_v2() and not self.is_draft:
+            raise NotImplementedError("evenkv: a DRAFT_EXTEND_V2 batch on a target model's backend")
+        if mode.name in ("DLLM_EXTEND", "SPLIT_PREFILL"):
+            raise NotImplementedError(f"evenkv: forward mode {mode.name} is not supported (no dLLM or PD "
+                                      "multiplexing)")
 
     def _plan_decode(self, forward_batch) -> None:
         bs = forward_batch.batch_size
         seq_lens_cpu = forward_batch.seq_lens_cpu
         tables = self._page_tables(forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
                                    self._page_width(seq_lens_cpu))
-        plans = {kind: attention.plan(self._decode_cu_seqlens[:bs + 1], forward_batch.seq_lens[:bs],
-                                      tables[kind.swa_pool], num_decodes=bs, max_q_len=1,
-                                      seq_lens_cpu=seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
-                 for kind, attention in self.attentions.items()}
+        plans = self.decode_plans(forward_batch.seq_lens[:bs], tables,
+                                  seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
         self.forward_metadata = ForwardMetadata(plans, bs, True, self._swa_out_cache_loc(forward_batch))
+
+    def decode_plans(self, seq_lens: torch.Tensor, tables: dict[bool, torch.Tensor],
+                     seq_lens_cpu: torch.Tensor | None = None) -> dict[LayerKind, AttentionPlan]:
+        """Plans of B decode rows, one query token each: seq_lens [B] int64 (on the device; the
+        host copy, if given, narrows the plan), tables [>= B, pages] int32 per token pool (as
+        ``_page_tables`` gives them). GPU work only without ``seq_lens_cpu``."""
+        bs = seq_lens.shape[0]
+        return {kind: attention.plan(self._decode_cu_seqlens[:bs + 1], seq_lens, tables[kind.swa_pool][:bs],
+                                     num_decodes=bs, max_q_len=1, seq_lens_cpu=seq_lens_cpu)
+                for kind, attention in self.attentions.items()}
 
     def _plan_verify(self, forward_batch) -> None:
         """TARGET_VERIFY: request b verifies D tokens at positions seq_lens[b] .. + D - 1, their
@@ -364,6 +378,8 @@ class EvenKVAttnBackend(AttentionBackend):
         out.copy_(bits.reshape(-1))
 
     def _plan_extend(self, forward_batch) -> None:
+        """Prefill, chunked prefill and mixed batches; a draft model's DRAFT_EXTEND_V2 (each
+        request's drafts after its prefix, SGLang's lengths including them) is one too."""
         bs = forward_batch.batch_size
         ext_lens = forward_batch.extend_seq_lens[:bs]
         ext_lens_cpu = forward_batch.extend_seq_lens_cpu
@@ -458,16 +474,15 @@ class EvenKVAttnBackend(AttentionBackend):
         """Recorded into the graph: plan on the fixed buffers (GPU work only)."""
         width = self._graph_width(forward_batch.forward_mode)
         bs = forward_batch.batch_size
-        if width == 1:
-            cu, verify = self._decode_cu_seqlens[:bs + 1], {}
-        else:
-            cu = self._verify_cu_seqlens[:bs + 1]
-            verify = dict(decode_q_len=width, num_decode_tokens=bs * width,
-                          tree_mask=self._tree_mask[: bs * width] if self.tree_verify else None)
         tables = self.cuda_graph_page_tables
-        plans = {kind: attention.plan(cu, self.cuda_graph_seq_lens[:bs], tables[kind.swa_pool][:bs], num_decodes=bs,
-                                      max_q_len=width, **verify)
-                 for kind, attention in self.attentions.items()}
+        if width == 1:
+            plans = self.decode_plans(self.cuda_graph_seq_lens[:bs], tables)
+        else:
+            plans = {kind: attention.plan(self._verify_cu_seqlens[:bs + 1], self.cuda_graph_seq_lens[:bs],
+                                          tables[kind.swa_pool][:bs], num_decodes=bs, max_q_len=width,
+                                          decode_q_len=width, num_decode_tokens=bs * width,
+                                          tree_mask=self._tree_mask[: bs * width] if self.tree_verify else None)
+                     for kind, attention in self.attentions.items()}
         swa_loc = self.cuda_graph_swa_out_cache_loc
         self.forward_metadata = ForwardMetadata(plans, bs * width, True,
                                                 None if swa_loc is None else swa_loc[: bs * width])
@@ -529,8 +544,15 @@ class EvenKVAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         """q [B, Hq*D] (or [B, Hq, D]); k, v [B, Hkv, D] or None (shared KV). Returns [B, Hq*D]."""
-        meta = self._metadata(layer, kwargs)
-        if not meta.decode_rows:
+        return self.decode_rows(self.forward_metadata, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def decode_rows(self, meta: ForwardMetadata | None, q, k, v, layer, forward_batch, save_kv_cache: bool = True,
+                    **kwargs):
+        """forward_decode on the batch ``meta`` plans (this backend's, or a draft step's): writes
+        k, v [B, Hkv, D] to ``forward_batch.out_cache_loc``, then q [B, Hq*D] attends to the
+        cache. Returns [B, Hq*D]."""
+        self._check_layer(layer, kwargs)
+        if meta is None or not meta.decode_rows:
             raise RuntimeError("evenkv: forward_decode without a planned decode batch (init_forward_metadata)")
         if save_kv_cache and k is not None:
             self._save_kv(layer, forward_batch, meta, k, v)

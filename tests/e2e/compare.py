@@ -41,7 +41,8 @@ Modes:
   --spec-draft K  speculative decoding with the model as its own draft model (vLLM
                ``method="draft_model"``, SGLang ``STANDALONE`` with K steps in a chain): the
                drafts, greedy from the same weights, are mostly accepted, so every verify row
-               counts; SGLang's draft attention backend is left for evenkv's plugin to name.
+               counts; SGLang's draft attention backend is left for evenkv's plugin to name,
+               unless --draft-attention names it for evenkv's run.
 
 Decode step time: vLLM, each ``LLMEngine.step()`` in which every running request was
 already decoding (wall clock, synchronous scheduling, no prefix caching). SGLang (whose
@@ -90,6 +91,9 @@ def parse_args(argv=None):
     ap.add_argument("--spec-block", type=int, default=16, help="--spec-ngram: the repeated block of each prompt")
     ap.add_argument("--spec-draft", type=int, default=0, metavar="K",
                     help="speculative decoding with the model as its own draft model, K draft tokens (0: off)")
+    ap.add_argument("--draft-attention", default=None, metavar="NAME",
+                    help="--spec-draft, SGLang: the draft model's attention backend in evenkv's run "
+                         "(--speculative-draft-attention-backend; default: unnamed)")
     ap.add_argument("--spec-breadth", type=int, default=1,
                     help="--spec-ngram, SGLang: the n-gram draft tree's breadth (1: a chain; more: branching trees)")
     ap.add_argument("--skewed", action="store_true", help="decode step time, one long prompt beside short ones")
@@ -305,6 +309,8 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
         kw.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=a.model,
                   speculative_num_steps=a.spec_draft, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=a.spec_draft + 1)
+        if a.draft_attention and backend == BACKENDS["sglang"]["evenkv"]:
+            kw["speculative_draft_attention_backend"] = a.draft_attention
     kw.update(extra or {})
     return sglang.Engine(**kw)
 
@@ -436,6 +442,8 @@ def run_child(a, backend: str, workloads_csv: str) -> dict:
            "--native-ops" if a.native_ops else "--no-native-ops", "--workloads", workloads_csv, "--json-out", path,
            "--spec-ngram", str(a.spec_ngram), "--spec-block", str(a.spec_block), "--spec-breadth", str(a.spec_breadth),
            "--spec-draft", str(a.spec_draft)]
+    if a.draft_attention:
+        cmd += ["--draft-attention", a.draft_attention]
     if a.compare:
         cmd.append("--compare")
     if a.skewed:

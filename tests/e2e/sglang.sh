@@ -33,6 +33,8 @@
 #   spec-draft  STANDALONE speculation with the model as its own draft (3 steps in a chain), no
 #           --speculative-draft-attention-backend (evenkv's plugin names triton for the draft): evenkv vs fa3 vs HF;
 #           eager: SGLang 0.5.17's draft-graph capture imports its DSA backend, whose deep_gemm the kit lacks
+#   spec-draft-evenkv  the same with --speculative-draft-attention-backend evenkv in evenkv's run: the
+#           draft model's prefill, draft extend and decode steps on evenkv too
 #   openai  the operator's path (tests/e2e/openai_server.py): `python -m sglang.launch_server
 #           --attention-backend evenkv` with a tokenizer built here, 256 requests 32 at a time on
 #           /v1/completions and /v1/chat/completions, streamed and not, evenkv's kernel line in the log,
@@ -163,10 +165,12 @@ for s in ${@:-checks skew pytest}; do
       --engine sglang --graphs 1 --compare --spec-ngram 3 --page-size 16 --baseline default ;;
     spec-draft) model && run_step spec-draft 330 150 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" --engine sglang \
       --graphs 0 --compare --spec-draft 3 --baseline default ;;
+    spec-draft-evenkv) model && run_step spec-draft-evenkv 330 150 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" \
+      --engine sglang --graphs 0 --compare --spec-draft 3 --draft-attention evenkv --baseline default ;;
     openai) model && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" --engine sglang \
       --log "$L/openai-server.log" ;;
     *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | swa-spec-tree | server | invariance | invariance-default |" \
-         "spec-ngram | spec-ngram-p16 | spec-draft | openai)"; exit 2 ;;
+         "spec-ngram | spec-ngram-p16 | spec-draft | spec-draft-evenkv | openai)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"

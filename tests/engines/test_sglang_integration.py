@@ -17,6 +17,7 @@ torchvision) the inert stub in tests/stubs is put first on sys.path for this mod
 import argparse
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -419,6 +420,7 @@ def test_register_is_idempotent():
     ["--attention-backend", "evenkv"],
     ["--prefill-attention-backend", "torch_native", "--decode-attention-backend", "evenkv"],
     ["--attention-backend", "triton", "--decode-attention-backend", "evenkv"],
+    ["--attention-backend", "evenkv", "--speculative-draft-attention-backend", "evenkv"],
 ])
 def test_cli_accepts_evenkv(argv):
     plugin.register()
@@ -458,7 +460,7 @@ def test_policy_from_environment(lane, monkeypatch):
 @pytest.mark.parametrize("overrides,fragment", [
     (dict(use_mla_backend=True), "MLA"),
     (dict(page_size=3), "page size 3"),
-    (dict(is_draft_worker=True), "speculative-draft-attention-backend"),
+    (dict(is_draft_worker=True), "a draft model under speculative algorithm None"),
 ])
 def test_refuses_unsupported_runner(lane, overrides, fragment):
     world = World(1, *lane)
@@ -644,7 +646,7 @@ def test_mixed_batch_and_padded_rows(lane):
 
 def test_refuses_verify_and_draft_batches_it_was_not_built_for(lane):
     """A verify batch for a backend built without speculative decoding, and a draft model's
-    DRAFT_EXTEND_V2 batch (drafts run on SGLang's own backends), are refused by name."""
+    DRAFT_EXTEND_V2 batch on a target model's backend, are refused by name."""
     world = World(1, *lane)
     backend = world.backend()
     r = world.add_request(8)
@@ -983,8 +985,10 @@ def speculative_world(page_size, lane, algorithm, q_len, topk=1, **kw):
      "triton"),
     (dict(attention_backend=plugin.NAME, speculative_algorithm="EAGLE", speculative_draft_attention_backend="flashinfer"),
      "flashinfer"),  # the operator's choice stays
+    (dict(attention_backend=plugin.NAME, speculative_algorithm="EAGLE", speculative_draft_attention_backend=plugin.NAME),
+     plugin.NAME),  # evenkv for the draft's chains too
     (dict(attention_backend="triton", speculative_algorithm="EAGLE"), None),  # not evenkv's target
-], ids=["eagle", "nextn-decode-only", "named", "other-target"])
+], ids=["eagle", "nextn-decode-only", "named", "named-evenkv", "other-target"])
 def test_draft_model_attention_defaults_to_triton_under_an_evenkv_target(kw, expected, tmp_path):
     """SGLang builds a draft model's attention from its own table, which has no evenkv: with evenkv
     as the target's backend and no --speculative-draft-attention-backend, the plugin's hook before
@@ -1169,6 +1173,216 @@ def test_target_verify_cuda_graph_sequence(lane, algorithm, topk, page_size):
                             layer)
 
 
+# -- the draft model of EAGLE-family speculation ---------------------------------------------
+
+DRAFT_STEPS = 3  # speculative_num_steps: the draft model's decode runs steps 0 and 1
+
+
+def draft_world(page_size, lane, topk=1, **kw):
+    """A draft model runner's world (EAGLE, DRAFT_STEPS steps, topk ``topk``) whose server names
+    evenkv for the draft model's attention (--speculative-draft-attention-backend evenkv)."""
+    world = World(page_size, *lane, **kw)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm="EAGLE",
+                                          speculative_num_steps=DRAFT_STEPS, speculative_eagle_topk=topk,
+                                          speculative_num_draft_tokens=DRAFT_STEPS + 1,
+                                          speculative_draft_attention_backend=plugin.NAME)
+    world.runner.is_draft_worker = True
+    world.runner.draft_attention_backend = plugin.NAME  # 0.5.23: the draft runner's own backend name
+    return world
+
+
+def draft_factory(runner, topk, num_steps):
+    """SGLang's DraftBackendFactory for ``runner`` (0.5.17 also takes the server args; 0.5.23
+    reads the backend name from the runner)."""
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    if "server_args" in inspect.signature(DraftBackendFactory).parameters:
+        return DraftBackendFactory(runner.server_args, runner, topk, num_steps)
+    return DraftBackendFactory(runner, topk, num_steps)
+
+
+def draft_backends(world, topk=1):
+    """What SGLang's EAGLE worker builds for its draft model runner: the runner's backend (from
+    the registry, as for any model runner), then SGLang's DraftBackendFactory's decode and
+    draft-extend backends (with the plugin's hooks applied, as load_plugins applies them)."""
+    world.runner.attn_backend = world.backend()
+    factory = draft_factory(world.runner, topk, DRAFT_STEPS)
+    return world.runner.attn_backend, factory.create_decode_backend(), factory.create_draft_extend_backend()
+
+
+def draft_batch(world, reqs, cached, step, padded_to=None):
+    """Draft step ``step``'s DECODE batch: request reqs[b] has cached[b] committed tokens (SGLang's
+    seq_lens) and its drafts' slots after them in req_to_token; this step writes draft ``step``."""
+    seq = torch.tensor(cached, dtype=torch.int64)
+    loc = torch.cat([world.slots(r, c + step, c + step + 1) for r, c in zip(reqs, cached)])
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
+                        input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=world.device),
+                        req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=world.device),
+                        seq_lens=seq.to(world.device), out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
+                        seq_lens_cpu=seq.clone(), positions=(seq + step).to(world.device))
+
+
+def check_draft_step(world, out, q, reqs, cached, step, layer, sinks=None):
+    """out, q [B, Hq*D] of draft step ``step``: row b sees request b's positions 0 .. cached[b] + step."""
+    rows = visible_slots(world, layer, reqs, cached, [step + 1] * len(reqs))
+    check_against_slots(world, out, q, rows[step::step + 1], layer, sinks)
+
+
+def test_draft_backends_come_from_sglangs_factory(lane):
+    """--speculative-draft-attention-backend evenkv: SGLang's DraftBackendFactory (through the
+    plugin's hooks) gives a multi-step decode backend of speculative_num_steps - 1 steps on the
+    draft runner's own backend, which also takes the draft-extend batches; another name still
+    reaches SGLang's own table."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from evenkv.integrations.sglang_draft import DraftStepBackend, EvenKVMultiStepDraftBackend
+
+    for method in ("create_decode_backend", "create_draft_extend_backend"):
+        assert f"{plugin.DRAFT_BACKEND_FACTORY}.{method}" in HookRegistry._patched
+    world = draft_world(1, lane)
+    runner_backend, multi, extend = draft_backends(world)
+    assert isinstance(runner_backend, EvenKVAttnBackend) and runner_backend.is_draft
+    assert runner_backend.verify_q_len == 0, "a draft model never verifies: no verify kernels are built"
+    assert isinstance(multi, EvenKVMultiStepDraftBackend) and multi.backend is runner_backend
+    assert len(multi.attn_backends) == DRAFT_STEPS - 1
+    assert [(type(step), step.drafts, step.step) for step in multi.attn_backends] == \
+        [(DraftStepBackend, multi, i) for i in range(DRAFT_STEPS - 1)]
+    assert extend is runner_backend
+    assert draft_factory(world.runner, 1, 1).create_decode_backend() is None  # SGLang's rule: one step, no decode
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_draft_attention_backend="no-such")
+    world.runner.draft_attention_backend = "no-such"
+    with pytest.raises(ValueError, match="no-such"):
+        draft_factory(world.runner, 1, DRAFT_STEPS).create_draft_extend_backend()
+
+
+def test_draft_model_refusals(lane):
+    """Draft trees (topk > 1) and a draft model on the hybrid pool are refused, naming the flag
+    that serves them; a TARGET_VERIFY batch never reaches a draft model's backend."""
+    with pytest.raises(NotImplementedError, match=r"draft trees \(speculative_eagle_topk=4\).*"
+                                                  r"--speculative-draft-attention-backend triton"):
+        draft_world(1, lane, topk=4).backend()
+    world = hybrid_world(1, lane)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm="EAGLE",
+                                          speculative_eagle_topk=1)
+    world.runner.is_draft_worker = True
+    assert any("hybrid SWA pool" in reason for reason in plugin.unsupported_reasons(world.runner))
+    world = draft_world(1, lane)
+    backend = world.backend()
+    r = world.add_request(12)
+    with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
+        backend.init_forward_metadata(world.verify_batch([r], [3], 2))
+
+
+@pytest.mark.parametrize("page_size,layer_kw,sinks", [
+    (1, None, False),
+    (16, None, False),
+    (16, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),
+], ids=["p1", "p16", "p16-window-cap-sinks"])
+def test_draft_decode_steps_match_reference(lane, page_size, layer_kw, sinks):
+    """The draft model's decode steps, planned at once by the multi-step backend: step i writes
+    draft i's K/V to its slot, then reads the request's prefix and drafts 0..i."""
+    world = draft_world(page_size, lane, layer_kw=layer_kw)
+    _, multi, _ = draft_backends(world)
+    cached = [1, 37, 5, 20]  # one past a page boundary
+    reqs = [world.add_request(c + DRAFT_STEPS) for c in cached]
+    multi.init_forward_metadata(draft_batch(world, reqs, cached, 0))
+    for step, step_backend in enumerate(multi.attn_backends):
+        fb = draft_batch(world, reqs, cached, step)
+        for layer in world.layers:
+            sink = torch.randn(world.hq, device=world.device) if sinks else None
+            q, k, v = world.qkv(len(reqs))
+            out = step_backend.forward(q, k, v, layer, fb, sinks=sink)
+            assert torch.equal(world.kv_pool.get_key_buffer(layer.layer_id)[fb.out_cache_loc], k)
+            check_draft_step(world, out, q, reqs, cached, step, layer, sink)
+
+
+def test_draft_extend_v2_matches_reference(lane):
+    """DRAFT_EXTEND_V2 (the draft model over each request's verified drafts, SGLang's lengths
+    including them) runs as an extend batch on the draft runner's backend."""
+    world = draft_world(16, lane)
+    backend, _, extend = draft_backends(world)
+    d = DRAFT_STEPS + 1
+    cached = [30, 2, 17]
+    reqs = [world.add_request(c + d) for c in cached]
+    fb = world.extend_batch(reqs, cached, [d] * len(reqs), mode=ForwardMode.DRAFT_EXTEND_V2)
+    extend.init_forward_metadata(fb)
+    for layer in world.layers:
+        q, k, v = world.qkv(d * len(reqs))
+        out = extend.forward(q, k, v, layer, fb)
+        check_extend(world, out, q, fb, layer.layer_id)
+
+
+def test_draft_decode_cuda_graph_sequence(lane):
+    """SGLang's draft graph runner: init_cuda_graph_state(max_bs, max_bs); at capture the
+    out-of-graph step on fill-value rows, then the body (in-graph step, then each draft step's
+    layers, the first of which plans the step); per replay the padded batch (request 0, fill
+    length) refilled, the out-of-graph step, req_to_token overwritten (the next batch's), the
+    body again (on the GPU, a real graph's replay)."""
+    world = draft_world(16, lane, max_reqs=8)
+    _, multi, _ = draft_backends(world)
+    bs, dev = 4, world.device
+    multi.init_cuda_graph_state(bs, bs)
+    fill = multi.attn_backends[0].get_cuda_graph_seq_len_fill_value()
+    req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
+    seq_lens = torch.full((bs,), fill, dtype=torch.int64, device=dev)
+    seq_lens_cpu = torch.full((bs,), fill, dtype=torch.int64)
+    out_cache_loc = torch.zeros(bs * DRAFT_STEPS, dtype=torch.int64, device=dev)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs, dtype=torch.int64, device=dev), req_pool_indices=req_pool_indices,
+                      seq_lens=seq_lens, out_cache_loc=out_cache_loc, seq_lens_sum=bs * fill, seq_lens_cpu=seq_lens_cpu)
+    qkv = [world.qkv(bs) for _ in range((DRAFT_STEPS - 1) * len(world.layers))]
+
+    def body():
+        multi.init_forward_metadata_in_graph(fb)
+        outs = []
+        for step, step_backend in enumerate(multi.attn_backends):
+            fb.out_cache_loc = out_cache_loc.view(DRAFT_STEPS, bs)[step]
+            for j, layer in enumerate(world.layers):
+                q, k, v = qkv[step * len(world.layers) + j]
+                outs.append(step_backend.forward(q, k, v, layer, fb))
+        fb.out_cache_loc = out_cache_loc
+        return outs
+
+    multi.init_forward_metadata_out_graph(fb, in_capture=True)
+    graph = None
+    if dev.type == "cuda":  # as GraphDriver: a warm-up on a side stream, then a real capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = body()
+    else:
+        body()
+    cached = [40, 3, 17]
+    reqs = [world.add_request(c + DRAFT_STEPS) for c in cached]
+    saved_rows = world.req_pool.req_to_token.clone()
+    for batch, lens in [(reqs[:2], cached[:2]), (reqs, cached)]:
+        world.req_pool.req_to_token.copy_(saved_rows)
+        raw = len(batch)
+        req_pool_indices.zero_()[:raw] = torch.tensor(batch, device=dev)
+        seq_lens.fill_(fill)[:raw] = torch.tensor(lens, device=dev)
+        seq_lens_cpu.fill_(fill)[:raw] = torch.tensor(lens)
+        locs = out_cache_loc.view(DRAFT_STEPS, bs).zero_()
+        for step in range(DRAFT_STEPS):
+            locs[step, :raw] = torch.cat([world.slots(r, c + step, c + step + 1) for r, c in zip(batch, lens)])
+        for q, k, v in qkv:
+            for t in (q, k, v):
+                t.copy_(world.randn(*t.shape))
+        multi.init_forward_metadata_out_graph(fb)
+        world.req_pool.req_to_token[1:].fill_(GARBAGE_SLOT)  # the next batch's rows, written during the replay
+        if graph is not None:
+            graph.replay()
+            outs = captured
+        else:
+            outs = body()
+        for step in range(DRAFT_STEPS - 1):
+            for j, layer in enumerate(world.layers):
+                q = qkv[step * len(world.layers) + j][0]
+                check_draft_step(world, outs[step * len(world.layers) + j][:raw], q[:raw], batch, lens, step, layer)
+
+
 @pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; on "
                     "the GPU the serving benchmark counts real ones")
 def test_startup_compiles_what_every_step_launches(lane, recorder):
@@ -1201,6 +1415,33 @@ def test_startup_compiles_what_every_step_launches(lane, recorder):
     driver = GraphDriver(plain, plain.backend(), bs=4)
     driver.capture()
     driver.replay([plain.add_request(c) for c in (40, 9)], [30, 5])
+    missing = {key for key in recorder.launched if key not in recorder.compiled}
+    assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
+
+
+@pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; on "
+                    "the GPU the serving benchmark counts real ones")
+def test_draft_startup_compiles_what_its_steps_launch(lane, recorder):
+    """A draft model runner's backend compiles at start-up every kernel its prefill, draft
+    extend and draft decode steps (eager, and planned for graphs) launch."""
+    world = draft_world(1, lane, max_reqs=8)
+    _, multi, extend = draft_backends(world)
+    cached = [30, 5, 20]
+    reqs = [world.add_request(c + DRAFT_STEPS + 1) for c in cached]
+    for fb in (world.extend_batch(reqs, [10, 0, 4], [6, 9, 12]),
+               world.extend_batch(reqs, cached, [DRAFT_STEPS + 1] * 3, mode=ForwardMode.DRAFT_EXTEND_V2)):
+        extend.init_forward_metadata(fb)
+        extend.forward(*world.qkv(fb.out_cache_loc.shape[0]), world.layers[0], fb)
+    multi.init_cuda_graph_state(len(reqs), len(reqs))
+    for graphs in (False, True):
+        fb = draft_batch(world, reqs, cached, 0)
+        if graphs:
+            multi.init_forward_metadata_out_graph(fb)
+            multi.init_forward_metadata_in_graph(fb)
+        else:
+            multi.init_forward_metadata(fb)
+        for step, step_backend in enumerate(multi.attn_backends):
+            step_backend.forward(*world.qkv(len(reqs)), world.layers[0], draft_batch(world, reqs, cached, step))
     missing = {key for key in recorder.launched if key not in recorder.compiled}
     assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
 
