@@ -293,6 +293,17 @@ def _draft_reasons(model_runner) -> list[str]:
     if topk > 1:
         reasons.append(f"draft trees (speculative_eagle_topk={topk}) in the draft model: evenkv's draft backend "
                        f"runs chains (topk 1); pass --speculative-draft-attention-backend {DEFAULT_DRAFT_ATTENTION}")
+    window = getattr(args, "speculative_draft_window_size", None)
+    if window:
+        from evenkv.integrations.sglang_backend import model_layer_kinds
+
+        kinds, _ = model_layer_kinds(model_runner.model)
+        if not kinds or any(kind.window is None for kind in kinds.values()):
+            # SGLang's draft decode backends then read sink tokens and the last N (0.5.23); a draft
+            # model whose layers carry the window (Llama EAGLE-3 takes the flag as its own) is served.
+            reasons.append(f"speculative_draft_window_size={window} on a draft model whose layers have no sliding "
+                           "window of their own (evenkv reads the layers' windows only); pass "
+                           f"--speculative-draft-attention-backend {DEFAULT_DRAFT_ATTENTION}")
     if isinstance(model_runner.token_to_kv_pool, SWAKVPool):
         reasons.append("a draft model on the hybrid SWA pool (its draft steps would write each step's token to "
                        "the sliding-window pool too); pass --speculative-draft-attention-backend "

@@ -1255,8 +1255,9 @@ def test_draft_backends_come_from_sglangs_factory(lane):
 
 
 def test_draft_model_refusals(lane):
-    """Draft trees (topk > 1) and a draft model on the hybrid pool are refused, naming the flag
-    that serves them; a TARGET_VERIFY batch never reaches a draft model's backend."""
+    """Draft trees (topk > 1), a draft model on the hybrid pool and a draft window the draft's
+    layers do not carry are refused, naming the flag that serves them; a TARGET_VERIFY batch
+    never reaches a draft model's backend."""
     with pytest.raises(NotImplementedError, match=r"draft trees \(speculative_eagle_topk=4\).*"
                                                   r"--speculative-draft-attention-backend triton"):
         draft_world(1, lane, topk=4).backend()
@@ -1265,6 +1266,13 @@ def test_draft_model_refusals(lane):
                                           speculative_eagle_topk=1)
     world.runner.is_draft_worker = True
     assert any("hybrid SWA pool" in reason for reason in plugin.unsupported_reasons(world.runner))
+    world = draft_world(1, lane)
+    world.runner.server_args = _WithFlags(world.runner.server_args, speculative_draft_window_size=8)
+    with pytest.raises(NotImplementedError, match="speculative_draft_window_size=8 on a draft model whose layers"):
+        world.backend()
+    windowed = draft_world(1, lane, layer_kw=[dict(sliding_window_size=8)] * 2)  # Llama EAGLE-3 takes the flag so
+    windowed.runner.server_args = _WithFlags(windowed.runner.server_args, speculative_draft_window_size=8)
+    assert plugin.unsupported_reasons(windowed.runner) == []
     world = draft_world(1, lane)
     backend = world.backend()
     r = world.add_request(12)
