@@ -130,7 +130,7 @@ def _draft_runner_backend(factory):
 def default_draft_attention(server_args, *args, **kwargs) -> None:
     """Where evenkv serves a speculative target with a draft model and the operator named no
     ``speculative_draft_attention_backend``, set it to DEFAULT_DRAFT_ATTENTION, which serves
-    every draft shape (evenkv's draft backend: chains only)."""
+    every draft shape (evenkv's draft backend: not trees on pages of several tokens)."""
     algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
     backends = {getattr(server_args, field, None)
                 for field in ("attention_backend", "decode_attention_backend", "prefill_attention_backend")}
@@ -138,7 +138,7 @@ def default_draft_attention(server_args, *args, **kwargs) -> None:
             getattr(server_args, "speculative_draft_attention_backend", None) is None:
         server_args.speculative_draft_attention_backend = DEFAULT_DRAFT_ATTENTION
         logger.info("evenkv: the %s draft model's attention runs on SGLang's %s backend "
-                    "(--speculative-draft-attention-backend evenkv runs draft chains on evenkv)",
+                    "(--speculative-draft-attention-backend evenkv runs the draft on evenkv)",
                     algorithm, DEFAULT_DRAFT_ATTENTION)
 
 
@@ -243,6 +243,11 @@ def speculative_verify(server_args) -> tuple[int, bool]:
     return q_len, tree
 
 
+def draft_topk(server_args) -> int:
+    """Branches a draft step grows per request (``speculative_eagle_topk``; 1: a chain)."""
+    return int(getattr(server_args, "speculative_eagle_topk", None) or 1)
+
+
 def _speculative_reasons(model_runner) -> list[str]:
     args = model_runner.server_args
     algorithm = getattr(args, "speculative_algorithm", None)
@@ -289,10 +294,12 @@ def _draft_reasons(model_runner) -> list[str]:
         return [f"a draft model under speculative algorithm {algorithm or None} (evenkv drafts for "
                 f"{', '.join(DRAFT_MODEL_ALGORITHMS)})"]
     reasons = []
-    topk = int(getattr(args, "speculative_eagle_topk", None) or 1)
-    if topk > 1:
-        reasons.append(f"draft trees (speculative_eagle_topk={topk}) in the draft model: evenkv's draft backend "
-                       f"runs chains (topk 1); pass --speculative-draft-attention-backend {DEFAULT_DRAFT_ATTENTION}")
+    topk, page_size = draft_topk(args), getattr(model_runner, "page_size", 1) or 1
+    if topk > 1 and page_size > 1:
+        reasons.append(f"draft trees (speculative_eagle_topk={topk}) in the draft model with page size {page_size}: "
+                       "SGLang lays each branch on pages of its own (the prefix's last page copied per branch) "
+                       f"for its own backends only; use --page-size 1 or --speculative-draft-attention-backend "
+                       f"{DEFAULT_DRAFT_ATTENTION}")
     window = getattr(args, "speculative_draft_window_size", None)
     if window:
         from evenkv.integrations.sglang_backend import model_layer_kinds

@@ -84,7 +84,7 @@ from sglang.srt.runtime_context import get_parallel
 from evenkv.attention import Attention, AttentionPlan
 from evenkv.errors import ErrorWatcher
 from evenkv.integrations.prefill import sglang_flash_attention
-from evenkv.integrations.sglang import speculative_verify
+from evenkv.integrations.sglang import draft_topk, speculative_verify
 from evenkv.kernels.launching import parallel_compiles
 from evenkv.kernels.plan_launch import launch_page_tables
 
@@ -166,11 +166,13 @@ class EvenKVAttnBackend(AttentionBackend):
         # SGLang's EAGLE worker sizes a verify step's tree mask as B x this when the batch's
         # seq_lens_sum is unknown (after a request leaves or joins the batch).
         self.max_context_len = model_runner.model_config.context_len
-        max_batch_size = max(1, model_runner.req_to_token_pool.size)
         deterministic = bool(getattr(model_runner.server_args, "enable_deterministic_inference", False))
         # A draft model's backend (EAGLE family) sees prefill, DRAFT_EXTEND_V2 and, through
-        # EvenKVMultiStepDraftBackend, decode rows; never a TARGET_VERIFY batch.
+        # EvenKVMultiStepDraftBackend, decode rows: one per request and draft branch (topk of
+        # each request in a draft tree); never a TARGET_VERIFY batch.
         self.is_draft = bool(getattr(model_runner, "is_draft_worker", False))
+        self.draft_topk = draft_topk(model_runner.server_args) if self.is_draft else 1
+        max_batch_size = max(1, model_runner.req_to_token_pool.size) * self.draft_topk
         # Speculative verify: D query tokens per request, as decode rows (tree-masked or causal).
         # Batches hold rows of 1 (decode) or D (verify) tokens: only those kernels are built.
         self.verify_q_len, self.tree_verify = (0, False) if self.is_draft else speculative_verify(

@@ -1210,22 +1210,37 @@ def draft_backends(world, topk=1):
     return world.runner.attn_backend, factory.create_decode_backend(), factory.create_draft_extend_backend()
 
 
-def draft_batch(world, reqs, cached, step, padded_to=None):
+def draft_batch(world, reqs, cached, step, topk=1):
     """Draft step ``step``'s DECODE batch: request reqs[b] has cached[b] committed tokens (SGLang's
-    seq_lens) and its drafts' slots after them in req_to_token; this step writes draft ``step``."""
+    seq_lens) and the slots of its topk x DRAFT_STEPS drafts after them in req_to_token, branch
+    by branch; this step writes each branch's draft ``step`` (query row b * topk + k)."""
     seq = torch.tensor(cached, dtype=torch.int64)
-    loc = torch.cat([world.slots(r, c + step, c + step + 1) for r, c in zip(reqs, cached)])
+    loc = torch.cat([world.slots(r, c + k * DRAFT_STEPS + step, c + k * DRAFT_STEPS + step + 1)
+                     for r, c in zip(reqs, cached) for k in range(topk)])
     return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
-                        input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=world.device),
+                        input_ids=torch.zeros(len(reqs) * topk, dtype=torch.int64, device=world.device),
                         req_pool_indices=torch.tensor(reqs, dtype=torch.int64, device=world.device),
                         seq_lens=seq.to(world.device), out_cache_loc=loc, seq_lens_sum=int(seq.sum()),
-                        seq_lens_cpu=seq.clone(), positions=(seq + step).to(world.device))
+                        seq_lens_cpu=seq.clone(), positions=(seq + step).repeat_interleave(topk).to(world.device))
 
 
-def check_draft_step(world, out, q, reqs, cached, step, layer, sinks=None):
-    """out, q [B, Hq*D] of draft step ``step``: row b sees request b's positions 0 .. cached[b] + step."""
-    rows = visible_slots(world, layer, reqs, cached, [step + 1] * len(reqs))
-    check_against_slots(world, out, q, rows[step::step + 1], layer, sinks)
+def draft_step_slots(world, layer, reqs, cached, step, topk=1) -> list[list[int]]:
+    """Per query row (b * topk + k) of draft step ``step``, the slots it attends to: request b's
+    prefix, then branch k's drafts 0..step (draft j at position cached[b] + j, its slot at
+    req_to_token position cached[b] + k * DRAFT_STEPS + j), within the layer's window."""
+    window = layer.sliding_window_size + 1 if layer.sliding_window_size > -1 else None
+    rows = []
+    for r, c in zip(reqs, cached):
+        for k in range(topk):
+            keys = [(p, p) for p in range(c)] + [(c + k * DRAFT_STEPS + j, c + j) for j in range(step + 1)]
+            seen = [at for at, pos in keys if window is None or pos > c + step - window]
+            rows.append(world.layer_slots(r, layer.layer_id, seen))
+    return rows
+
+
+def check_draft_step(world, out, q, reqs, cached, step, layer, sinks=None, topk=1):
+    """out, q [B * topk, Hq*D] of draft step ``step`` against the fp32 oracle (draft_step_slots)."""
+    check_against_slots(world, out, q, draft_step_slots(world, layer, reqs, cached, step, topk), layer, sinks)
 
 
 def test_draft_backends_come_from_sglangs_factory(lane):
@@ -1255,12 +1270,13 @@ def test_draft_backends_come_from_sglangs_factory(lane):
 
 
 def test_draft_model_refusals(lane):
-    """Draft trees (topk > 1), a draft model on the hybrid pool and a draft window the draft's
-    layers do not carry are refused, naming the flag that serves them; a TARGET_VERIFY batch
-    never reaches a draft model's backend."""
-    with pytest.raises(NotImplementedError, match=r"draft trees \(speculative_eagle_topk=4\).*"
-                                                  r"--speculative-draft-attention-backend triton"):
-        draft_world(1, lane, topk=4).backend()
+    """Draft trees on pages of several tokens, a draft model on the hybrid pool and a draft
+    window the draft's layers do not carry are refused, naming the flag that serves them; a
+    TARGET_VERIFY batch never reaches a draft model's backend."""
+    with pytest.raises(NotImplementedError, match=r"draft trees \(speculative_eagle_topk=4\) in the draft model "
+                                                  r"with page size 16.*--speculative-draft-attention-backend triton"):
+        draft_world(16, lane, topk=4).backend()
+    assert plugin.unsupported_reasons(draft_world(1, lane, topk=4).runner) == []
     world = hybrid_world(1, lane)
     world.runner.server_args = _WithFlags(world.runner.server_args, speculative_algorithm="EAGLE",
                                           speculative_eagle_topk=1)
@@ -1280,27 +1296,30 @@ def test_draft_model_refusals(lane):
         backend.init_forward_metadata(world.verify_batch([r], [3], 2))
 
 
-@pytest.mark.parametrize("page_size,layer_kw,sinks", [
-    (1, None, False),
-    (16, None, False),
-    (16, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),
-], ids=["p1", "p16", "p16-window-cap-sinks"])
-def test_draft_decode_steps_match_reference(lane, page_size, layer_kw, sinks):
-    """The draft model's decode steps, planned at once by the multi-step backend: step i writes
-    draft i's K/V to its slot, then reads the request's prefix and drafts 0..i."""
-    world = draft_world(page_size, lane, layer_kw=layer_kw)
-    _, multi, _ = draft_backends(world)
+@pytest.mark.parametrize("page_size,topk,layer_kw,sinks", [
+    (1, 1, None, False),
+    (16, 1, None, False),
+    (16, 1, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),
+    (1, 3, None, False),
+    (1, 2, [dict(sliding_window_size=5), dict(logit_cap=5.0)], True),
+], ids=["chain-p1", "chain-p16", "chain-p16-window-cap-sinks", "tree-p1", "tree-p1-window-cap-sinks"])
+def test_draft_decode_steps_match_reference(lane, page_size, topk, layer_kw, sinks):
+    """The draft model's decode steps, prepared at once by the multi-step backend: step i writes
+    each branch's draft i to its slot, then row (b, k) reads request b's prefix and branch k's
+    drafts 0..i."""
+    world = draft_world(page_size, lane, topk=topk, layer_kw=layer_kw)
+    _, multi, _ = draft_backends(world, topk)
     cached = [1, 37, 5, 20]  # one past a page boundary
-    reqs = [world.add_request(c + DRAFT_STEPS) for c in cached]
-    multi.init_forward_metadata(draft_batch(world, reqs, cached, 0))
+    reqs = [world.add_request(c + topk * DRAFT_STEPS) for c in cached]
+    multi.init_forward_metadata(draft_batch(world, reqs, cached, 0, topk))
     for step, step_backend in enumerate(multi.attn_backends):
-        fb = draft_batch(world, reqs, cached, step)
+        fb = draft_batch(world, reqs, cached, step, topk)
         for layer in world.layers:
             sink = torch.randn(world.hq, device=world.device) if sinks else None
-            q, k, v = world.qkv(len(reqs))
+            q, k, v = world.qkv(len(reqs) * topk)
             out = step_backend.forward(q, k, v, layer, fb, sinks=sink)
             assert torch.equal(world.kv_pool.get_key_buffer(layer.layer_id)[fb.out_cache_loc], k)
-            check_draft_step(world, out, q, reqs, cached, step, layer, sink)
+            check_draft_step(world, out, q, reqs, cached, step, layer, sink, topk)
 
 
 def test_draft_extend_v2_matches_reference(lane):
@@ -1319,35 +1338,38 @@ def test_draft_extend_v2_matches_reference(lane):
         check_extend(world, out, q, fb, layer.layer_id)
 
 
-def test_draft_decode_cuda_graph_sequence(lane):
-    """SGLang's draft graph runner: init_cuda_graph_state(max_bs, max_bs); at capture the
+@pytest.mark.parametrize("page_size,topk", [(16, 1), (1, 2)], ids=["chain-p16", "tree-p1"])
+def test_draft_decode_cuda_graph_sequence(lane, page_size, topk):
+    """SGLang's draft graph runner: init_cuda_graph_state(max_bs, max_bs x topk); at capture the
     out-of-graph step on fill-value rows, then the body (in-graph step, then each draft step's
     layers, the first of which plans the step); per replay the padded batch (request 0, fill
     length) refilled, the out-of-graph step, req_to_token overwritten (the next batch's), the
     body again (on the GPU, a real graph's replay)."""
-    world = draft_world(16, lane, max_reqs=8)
-    _, multi, _ = draft_backends(world)
+    world = draft_world(page_size, lane, topk=topk, max_reqs=8)
+    _, multi, _ = draft_backends(world, topk)
     bs, dev = 4, world.device
-    multi.init_cuda_graph_state(bs, bs)
+    n = bs * topk
+    multi.init_cuda_graph_state(bs, n)
     fill = multi.attn_backends[0].get_cuda_graph_seq_len_fill_value()
     req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
     seq_lens = torch.full((bs,), fill, dtype=torch.int64, device=dev)
     seq_lens_cpu = torch.full((bs,), fill, dtype=torch.int64)
-    out_cache_loc = torch.zeros(bs * DRAFT_STEPS, dtype=torch.int64, device=dev)
+    out_cache_loc = torch.zeros(DRAFT_STEPS, n, dtype=torch.int64, device=dev)  # per step, rows b * topk + k
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
-                      input_ids=torch.zeros(bs, dtype=torch.int64, device=dev), req_pool_indices=req_pool_indices,
-                      seq_lens=seq_lens, out_cache_loc=out_cache_loc, seq_lens_sum=bs * fill, seq_lens_cpu=seq_lens_cpu)
-    qkv = [world.qkv(bs) for _ in range((DRAFT_STEPS - 1) * len(world.layers))]
+                      input_ids=torch.zeros(n, dtype=torch.int64, device=dev), req_pool_indices=req_pool_indices,
+                      seq_lens=seq_lens, out_cache_loc=out_cache_loc.view(-1), seq_lens_sum=bs * fill,
+                      seq_lens_cpu=seq_lens_cpu)
+    qkv = [world.qkv(n) for _ in range((DRAFT_STEPS - 1) * len(world.layers))]
 
     def body():
         multi.init_forward_metadata_in_graph(fb)
         outs = []
         for step, step_backend in enumerate(multi.attn_backends):
-            fb.out_cache_loc = out_cache_loc.view(DRAFT_STEPS, bs)[step]
+            fb.out_cache_loc = out_cache_loc[step]
             for j, layer in enumerate(world.layers):
                 q, k, v = qkv[step * len(world.layers) + j]
                 outs.append(step_backend.forward(q, k, v, layer, fb))
-        fb.out_cache_loc = out_cache_loc
+        fb.out_cache_loc = out_cache_loc.view(-1)
         return outs
 
     multi.init_forward_metadata_out_graph(fb, in_capture=True)
@@ -1364,17 +1386,17 @@ def test_draft_decode_cuda_graph_sequence(lane):
     else:
         body()
     cached = [40, 3, 17]
-    reqs = [world.add_request(c + DRAFT_STEPS) for c in cached]
+    reqs = [world.add_request(c + topk * DRAFT_STEPS) for c in cached]
     saved_rows = world.req_pool.req_to_token.clone()
     for batch, lens in [(reqs[:2], cached[:2]), (reqs, cached)]:
         world.req_pool.req_to_token.copy_(saved_rows)
-        raw = len(batch)
-        req_pool_indices.zero_()[:raw] = torch.tensor(batch, device=dev)
-        seq_lens.fill_(fill)[:raw] = torch.tensor(lens, device=dev)
-        seq_lens_cpu.fill_(fill)[:raw] = torch.tensor(lens)
-        locs = out_cache_loc.view(DRAFT_STEPS, bs).zero_()
+        raw = len(batch) * topk
+        req_pool_indices.zero_()[:len(batch)] = torch.tensor(batch, device=dev)
+        seq_lens.fill_(fill)[:len(batch)] = torch.tensor(lens, device=dev)
+        seq_lens_cpu.fill_(fill)[:len(batch)] = torch.tensor(lens)
+        out_cache_loc.zero_()
         for step in range(DRAFT_STEPS):
-            locs[step, :raw] = torch.cat([world.slots(r, c + step, c + step + 1) for r, c in zip(batch, lens)])
+            out_cache_loc[step, :raw] = draft_batch(world, batch, lens, step, topk).out_cache_loc
         for q, k, v in qkv:
             for t in (q, k, v):
                 t.copy_(world.randn(*t.shape))
@@ -1388,7 +1410,8 @@ def test_draft_decode_cuda_graph_sequence(lane):
         for step in range(DRAFT_STEPS - 1):
             for j, layer in enumerate(world.layers):
                 q = qkv[step * len(world.layers) + j][0]
-                check_draft_step(world, outs[step * len(world.layers) + j][:raw], q[:raw], batch, lens, step, layer)
+                check_draft_step(world, outs[step * len(world.layers) + j][:raw], q[:raw], batch, lens, step, layer,
+                                 topk=topk)
 
 
 @pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; on "
@@ -1429,27 +1452,29 @@ def test_startup_compiles_what_every_step_launches(lane, recorder):
 
 @pytest.mark.skipif(not is_interpreter(), reason="the recorder stands in for compiles under the interpreter; on "
                     "the GPU the serving benchmark counts real ones")
-def test_draft_startup_compiles_what_its_steps_launch(lane, recorder):
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_draft_startup_compiles_what_its_steps_launch(lane, recorder, topk):
     """A draft model runner's backend compiles at start-up every kernel its prefill, draft
     extend and draft decode steps (eager, and planned for graphs) launch."""
-    world = draft_world(1, lane, max_reqs=8)
-    _, multi, extend = draft_backends(world)
+    world = draft_world(1, lane, topk=topk, max_reqs=8)
+    _, multi, extend = draft_backends(world, topk)
     cached = [30, 5, 20]
-    reqs = [world.add_request(c + DRAFT_STEPS + 1) for c in cached]
+    reqs = [world.add_request(c + topk * DRAFT_STEPS + 1) for c in cached]
     for fb in (world.extend_batch(reqs, [10, 0, 4], [6, 9, 12]),
                world.extend_batch(reqs, cached, [DRAFT_STEPS + 1] * 3, mode=ForwardMode.DRAFT_EXTEND_V2)):
         extend.init_forward_metadata(fb)
         extend.forward(*world.qkv(fb.out_cache_loc.shape[0]), world.layers[0], fb)
-    multi.init_cuda_graph_state(len(reqs), len(reqs))
+    multi.init_cuda_graph_state(len(reqs), len(reqs) * topk)
     for graphs in (False, True):
-        fb = draft_batch(world, reqs, cached, 0)
+        fb = draft_batch(world, reqs, cached, 0, topk)
         if graphs:
             multi.init_forward_metadata_out_graph(fb)
             multi.init_forward_metadata_in_graph(fb)
         else:
             multi.init_forward_metadata(fb)
         for step, step_backend in enumerate(multi.attn_backends):
-            step_backend.forward(*world.qkv(len(reqs)), world.layers[0], draft_batch(world, reqs, cached, step))
+            step_backend.forward(*world.qkv(len(reqs) * topk), world.layers[0],
+                                 draft_batch(world, reqs, cached, step, topk))
     missing = {key for key in recorder.launched if key not in recorder.compiled}
     assert recorder.launched and not missing, f"launched but not compiled at start-up: {sorted(missing)[:3]}"
 
