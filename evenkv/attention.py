@@ -222,6 +222,9 @@ class Attention:
             if not engine_prefill_wanted():
                 return None, f"evenkv's Triton extend kernel ({PREFILL_ENV}=triton)"
             return None, "evenkv's Triton extend kernel (no engine prefill kernel given)"
+        if not callable(kernel) or not all(hasattr(kernel, a) for a in ("name", "fp8_cache_dtypes")):
+            raise TypeError(f"prefill_kernel: expected None or a PrefillKernel (callable, with a name and "
+                            f"fp8_cache_dtypes), got {type(kernel).__name__}")
         fp8_query = ""
         if self.kv_dtype != self.dtype:
             if self.dtype not in kernel.fp8_cache_dtypes:
@@ -318,7 +321,7 @@ class Attention:
             tree_masks (else None: causal among a decode row's tokens): each decode query row's
             tree mask over its request's new tokens (``DecodeAttention.plan``).
         """
-        batch = check_batch_metadata(seq_lens, page_table, self.device, cu_seqlens_q)
+        batch = check_batch_metadata(seq_lens, page_table, self.device, cu_seqlens_q, cu_required=True)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         for name, value in (("num_decodes", num_decodes), ("max_q_len", max_q_len)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -327,7 +330,13 @@ class Attention:
             raise ValueError(f"num_decodes: expected an int in [0, B={batch}], got {num_decodes}")
         if max_q_len < 0:
             raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                        or max_seq_len < 1):
+            raise ValueError(f"max_seq_len: expected None or a host int >= 1 (>= every seq_len), got {max_seq_len!r}")
         num_decode_tokens = self._decode_tokens(num_decodes, decode_q_len, num_decode_tokens)
+        if isinstance(tree_mask, torch.Tensor) and tree_mask.shape[0] < num_decode_tokens:
+            raise ValueError(f"tree_mask: expected an entry for each of the num_decode_tokens={num_decode_tokens} "
+                             f"decode query rows, got shape {tuple(tree_mask.shape)}")
         if self.debug and decode_q_len == 1:
             cu = cu_seqlens_q[:num_decodes + 1].cpu()
             if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
@@ -367,9 +376,11 @@ class Attention:
 
     def _decode_tokens(self, num_decodes: int, decode_q_len, num_decode_tokens) -> int:
         """The decode rows' query tokens, checked against their count and decode_q_len (host ints)."""
-        for name, value in (("decode_q_len", decode_q_len), ("num_decode_tokens", num_decode_tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"{name}: expected a host int, got {type(value).__name__}")
+        if isinstance(decode_q_len, bool) or not isinstance(decode_q_len, int):
+            raise TypeError(f"decode_q_len: expected a host int, got {type(decode_q_len).__name__}")
+        if num_decode_tokens is not None and (isinstance(num_decode_tokens, bool)
+                                              or not isinstance(num_decode_tokens, int)):
+            raise TypeError(f"num_decode_tokens: expected a host int, got {type(num_decode_tokens).__name__}")
         if not 1 <= decode_q_len <= self.max_decode_q_len:
             raise ValueError(f"decode_q_len: expected 1 to max_decode_q_len={self.max_decode_q_len}, got {decode_q_len}")
         if num_decode_tokens is None:
@@ -410,6 +421,10 @@ class Attention:
         if (k_new is None) != (v_new is None):
             raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
                              f" and v_new={'None' if v_new is None else 'a tensor'}")
+        if k_new is not None and plan.delegated is not None:
+            raise ValueError(f"k_new, v_new: this batch's extend rows run on {self.prefill_kernel.name} (the engine's "
+                             "prefill kernel), which reads the new tokens' K/V from the cache: write them there and "
+                             "pass None")
         if k_new is not None:
             check_tensor("k_new", k_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
                          last_dim_contiguous=True)

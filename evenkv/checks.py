@@ -19,12 +19,17 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # KV caches may also hold FP8 (e4m3) with a per-tensor scale: real value = stored * scale.
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels compute in float32: a scale (or a product of scales folded into one) must be a
+# finite, normal float32 there, not an overflow to inf or an underflow to 0.
+FP32_NORMAL_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
 
 def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple | None = None,
-                 device: torch.device | None = None, last_dim_contiguous: bool = False) -> torch.Tensor:
+                 device: torch.device | None = None, last_dim_contiguous: bool = False,
+                 contiguous: bool = False) -> torch.Tensor:
     """Check ``value`` is a tensor of ``shape`` (None entries match any size), one of
-    ``dtypes``, on ``device``; return it."""
+    ``dtypes``, on ``device`` (``contiguous``: a dense row-major layout, as the kernels read
+    tensors they take no strides for); return it."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if shape is not None:
@@ -39,6 +44,9 @@ def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple 
         raise ValueError(f"{name}: expected device {device}, got {value.device}")
     if last_dim_contiguous and value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
         raise ValueError(f"{name}: expected unit stride in the last dim, got strides {value.stride()}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got shape {tuple(value.shape)} with strides "
+                         f"{value.stride()}")
     return value
 
 
@@ -47,8 +55,9 @@ def output_like(q: torch.Tensor, out) -> torch.Tensor:
     unit stride in the last dim; a new tensor like q when ``out`` is None."""
     if out is None:
         return torch.empty_like(q)
-    return check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device,
-                        last_dim_contiguous=True)
+    check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device, last_dim_contiguous=True)
+    check_distinct_elements("out", out)
+    return out
 
 
 def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int:
@@ -79,9 +88,16 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale: expected None or float, got {type(sm_scale).__name__}")
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale: expected a finite scale > 0, got {sm_scale}")
-    return float(sm_scale)
+    return check_fp32_scale("sm_scale", sm_scale)
+
+
+def check_fp32_scale(name: str, value: float) -> float:
+    """A host float the kernels use as a float32 factor: finite, > 0 and a normal float32."""
+    lo, hi = FP32_NORMAL_RANGE
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ValueError(f"{name}: expected a finite scale > 0 within float32's normal range [{lo:.3g}, {hi:.3g}], "
+                         f"got {value}")
+    return float(value)
 
 
 def resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
@@ -111,9 +127,7 @@ def check_kv_scale(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a host float (real value = stored value x {name}), got "
                         f"{type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
-    return float(value)
+    return check_fp32_scale(name, value)
 
 
 def check_sinks(sinks, num_q_heads: int, device: torch.device) -> torch.Tensor | None:
@@ -145,27 +159,31 @@ def normalize_logit_cap(logit_cap) -> float | None:
         return None
     if isinstance(logit_cap, bool) or not isinstance(logit_cap, (int, float)):
         raise TypeError(f"logit_cap: expected None or float, got {type(logit_cap).__name__}")
-    if not math.isfinite(logit_cap) or logit_cap < 0:
+    if logit_cap == 0:
+        return None
+    if logit_cap < 0:
         raise ValueError(f"logit_cap: expected None, 0 (no cap) or a finite cap > 0, got {logit_cap}")
-    return float(logit_cap) or None
+    return check_fp32_scale("logit_cap", logit_cap)
 
 
-def check_batch_metadata(seq_lens, page_table, device: torch.device, cu_seqlens_q=None) -> int:
+def check_batch_metadata(seq_lens, page_table, device: torch.device, cu_seqlens_q=None, *,
+                         cu_required: bool = False) -> int:
     """A batch's metadata; returns its size B, the page table's row count.
 
     page_table: [B, max_pages] int32 on ``device``, unit stride in the last dim.
-    seq_lens: [B] int32/int64 on ``device``. cu_seqlens_q: None or [B + 1] int32/int64 on
-    ``device``. A length that disagrees with the page table's rows names both shapes."""
+    seq_lens: [B] int32/int64 on ``device``, contiguous. cu_seqlens_q: [B + 1] int32/int64 on
+    ``device``, contiguous; None allowed unless ``cu_required``. A length that disagrees with
+    the page table's rows names both shapes."""
     check_tensor("page_table", page_table, shape=(None, None), dtypes=(torch.int32,), device=device)
     if page_table.shape[0] > 0 and page_table.shape[1] > 1 and page_table.stride(1) != 1:
         raise ValueError(f"page_table: expected unit stride in the last dim, got strides {page_table.stride()}")
     batch = page_table.shape[0]
-    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=device)
+    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=device, contiguous=True)
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens: expected shape [{batch}], one length per row of page_table (shape "
                          f"{tuple(page_table.shape)}), got shape {tuple(seq_lens.shape)}")
-    if cu_seqlens_q is not None:
-        check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(None,), dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens_q is not None or cu_required:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(None,), dtypes=INDEX_DTYPES, device=device, contiguous=True)
         if cu_seqlens_q.shape[0] != batch + 1:
             raise ValueError(f"cu_seqlens_q: expected shape [{batch + 1}], B + 1 for the B = {batch} rows of "
                              f"page_table (shape {tuple(page_table.shape)}), got shape {tuple(cu_seqlens_q.shape)}")
@@ -222,14 +240,14 @@ def as_pages(cache: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def check_distinct_elements(name: str, cache: torch.Tensor) -> None:
-    """A cache written in place must not alias itself (an expanded view, strides that overlap):
-    taken by increasing stride, each dim's stride must pass the largest offset the dims inside it
-    reach. Sufficient, and every cache an engine allocates passes it (NHD or HND pages, the K
-    and V halves of vLLM's cache, a cross-layer allocation)."""
+    """A tensor written in place (a cache, an output) must not alias itself (an expanded view,
+    strides that overlap): taken by increasing stride, each dim's stride must pass the largest
+    offset the dims inside it reach. Sufficient, and every cache an engine allocates passes it
+    (NHD or HND pages, the K and V halves of vLLM's cache, a cross-layer allocation)."""
     reach = 0
     for stride, size in sorted((st, sz) for st, sz in zip(cache.stride(), cache.shape) if sz > 1):
         if stride <= reach:
-            raise ValueError(f"{name}: expected a cache whose elements are distinct (it is written in place), got "
+            raise ValueError(f"{name}: expected a tensor whose elements are distinct (it is written in place), got "
                              f"shape {tuple(cache.shape)} with strides {cache.stride()}")
         reach += stride * (size - 1)
 
@@ -304,7 +322,10 @@ def resolve_device(device, name: str = "device") -> torch.device:
     evenkv's kernels run on CUDA GPUs, or on the CPU under Triton's interpreter; any other
     device is refused here, before a kernel fails inside Triton. ``name``: the argument to
     blame, the ``device`` argument or the tensor whose device this is."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{name}: expected a torch.device, 'cuda', 'cuda:N' or 'cpu', got {device!r} ({err})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{name}: expected a CUDA device that torch can see, got 'cuda' but "

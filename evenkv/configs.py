@@ -32,7 +32,11 @@ def is_interpreter() -> bool:
 
 
 def env_flag(name: str, value: bool | None = None) -> bool:
-    """An explicit argument wins; else the environment variable (anything but "" / "0" is on)."""
+    """An explicit argument (None or a bool) wins; else the environment variable (anything but
+    "" / "0" is on)."""
+    if value is not None and not isinstance(value, bool):
+        argument = name.removeprefix("EVENKV_").lower()
+        raise TypeError(f"{argument}: expected None (then {name}) or a bool, got {value!r}")
     return value if value is not None else os.environ.get(name, "0") not in ("", "0")
 
 
@@ -94,6 +98,17 @@ def head_dim_class(head_dim: int) -> str:
 # ----------------------------------------------------------------------------- decode
 
 
+def check_kernel_shape(config, powers_of_two: tuple, positive: tuple) -> None:
+    """A config's tile sizes and warps: ints that are powers of two (Triton's block shapes);
+    its counts: ints >= 1. ValueError naming the field otherwise."""
+    for field in powers_of_two + positive:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (
+                field in powers_of_two and value & (value - 1)):
+            kind = "a power of two" if field in powers_of_two else "an int >= 1"
+            raise ValueError(f"{type(config).__name__}.{field}: expected {kind}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Compile-time shape of the decode kernels for one arch and head-dim class.
@@ -118,6 +133,9 @@ class DecodeConfig:
     max_registers: int | None = None
     programmatic_launch: bool = False
     segment_loops: bool = False
+
+    def __post_init__(self):
+        check_kernel_shape(self, ("block_n", "num_warps"), ("num_stages", "max_ctas_per_sm"))
 
 
 _DECODE = {
@@ -370,6 +388,9 @@ class ExtendConfig:
     block_n: int
     num_warps: int
     num_stages: int
+
+    def __post_init__(self):
+        check_kernel_shape(self, ("block_m", "block_n", "num_warps"), ("num_stages",))
 
 
 _EXTEND = {

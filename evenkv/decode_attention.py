@@ -454,7 +454,8 @@ class DecodeAttention:
                                  f"[B + 1] int32, got None")
             cu_seqlens_q = self._row_per_request[:batch + 1]
         else:
-            check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=(torch.int32,), device=self.device)
+            check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=(torch.int32,), device=self.device,
+                         contiguous=True)
         tree = tree_mask is not None
         if tree != (self.tree_masks and q_len > 1):
             expected = "[>= total_q] int32 (this object has tree_masks=True)" if not tree else "None"
@@ -462,9 +463,11 @@ class DecodeAttention:
                              f"{'None' if not tree else 'a tensor'} (tree masks go with tree_masks=True and rows "
                              f"of several query tokens)")
         if tree:
-            check_tensor("tree_mask", tree_mask, shape=(None,), dtypes=(torch.int32,), device=self.device)
+            check_tensor("tree_mask", tree_mask, shape=(None,), dtypes=(torch.int32,), device=self.device,
+                         contiguous=True)
         capacity = page_table.shape[1] * self.page_size
         if seq_lens_cpu is not None:
+            check_tensor("seq_lens_cpu", seq_lens_cpu, shape=(batch,), dtypes=INDEX_DTYPES, device=torch.device("cpu"))
             check_lengths(seq_lens_cpu, capacity)
         elif self.debug:
             check_lengths(seq_lens.cpu(), capacity)
@@ -523,6 +526,9 @@ class DecodeAttention:
                         num_kv_heads=hkv, head_dim=d)
         k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         terms = self.layer_terms(sm_scale, sinks, k_scale, v_scale)
+        if plan.tree_mask is not self._no_tree and plan.tree_mask.shape[0] < q.shape[0]:
+            raise ValueError(f"tree_mask: expected an entry for each of q's {q.shape[0]} rows, got shape "
+                             f"{tuple(plan.tree_mask.shape)}")
         out = output_like(q, out)
         if b == 0 or q.shape[0] == 0:
             return out

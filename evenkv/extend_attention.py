@@ -142,6 +142,8 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     check_kv_caches(k_cache, v_cache, page_size=page_size, dtypes=(q.dtype, *FP8_KV_DTYPES), device=dev,
                     head_dim=head_dim)
     num_kv_heads = k_cache.shape[-2]
+    if num_kv_heads < 1:
+        raise ValueError(f"k_cache: expected at least one KV head, got shape {tuple(k_cache.shape)}")
     check_fp8_capable(k_cache.dtype, dev)
     k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     if k_cache.dtype not in FP8_KV_DTYPES:
@@ -152,7 +154,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: expected Hq a multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
     sinks = check_sinks(sinks, num_q_heads, dev)
-    batch = check_batch_metadata(seq_lens, page_table, dev, cu_seqlens_q)
+    batch = check_batch_metadata(seq_lens, page_table, dev, cu_seqlens_q, cu_required=True)
     if isinstance(max_q_len, bool) or not isinstance(max_q_len, int):
         raise TypeError(f"max_q_len: expected a host int, got {type(max_q_len).__name__}")
     if max_q_len < 0:
@@ -177,8 +179,11 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     if config is not None and not isinstance(config, ExtendConfig):
         raise TypeError(f"config: expected ExtendConfig or None, got {type(config).__name__}")
     out = output_like(q, out)
-    if batch == 0 or total_q == 0 or max_q_len == 0:
+    if batch == 0 or total_q == 0:
         return out
+    # A batch of no query tokens may say max_q_len 0; one with tokens is planned for at least
+    # one, so the plan flags every longer range (``evenkv.check_errors``) instead of skipping it.
+    max_q_len = max(max_q_len, 1)
     if debug_enabled(debug):
         check_lengths_on_host(cu_seqlens_q, seq_lens, max_q_len=max_q_len, total_q=total_q,
                               capacity=page_table.shape[1] * page_size)

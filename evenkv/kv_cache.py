@@ -27,14 +27,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     dev = check_kv_caches(k_cache, v_cache, page_size=None, dtypes=SUPPORTED_DTYPES + FP8_KV_DTYPES, device=None)
     check_distinct_elements("k_cache", k_cache)
     check_distinct_elements("v_cache", v_cache)
+    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+        raise ValueError("k_cache, v_cache: expected two caches, got views that start at the same element (V would "
+                         "overwrite K)")
     k_cache, v_cache = slot_pages(k_cache), slot_pages(v_cache)
     num_pages, page_size, hkv, d = k_cache.shape
+    if hkv < 1 or d < 1:
+        raise ValueError(f"k_cache: expected at least one KV head and a head dim >= 1, got [.., Hkv={hkv}, D={d}]")
     num_slots = num_pages * page_size
     k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     if k_cache.dtype not in FP8_KV_DTYPES and (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError(f"k_scale, v_scale: a {k_cache.dtype} cache holds real values, so both scales must be 1.0; "
                          f"got {k_scale} and {v_scale}")
-    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("slot_mapping", slot_mapping, shape=(None,), dtypes=INDEX_DTYPES, device=dev, contiguous=True)
     n = slot_mapping.shape[0]
     check_tensor("k_new", k_new, shape=(n, hkv, d), dtypes=SUPPORTED_DTYPES + (torch.float32,), device=dev,
                  last_dim_contiguous=True)

@@ -128,10 +128,10 @@ def test_write_kv_rejects(device):
         evenkv.write_kv(kc, kc[:16].clone(), new, new, slots)
     # Views whose elements alias each other: heads expanded from one, pages that overlap.
     expanded = torch.zeros(32, 1, 64, dtype=torch.float16, device=device).expand(32, 2, 64)
-    with pytest.raises(ValueError, match=r"k_cache: expected a cache whose elements are distinct.*\(64, 0, 1\)"):
+    with pytest.raises(ValueError, match=r"k_cache: expected a tensor whose elements are distinct.*\(64, 0, 1\)"):
         evenkv.write_kv(expanded, kc.clone(), new, new, slots)
     overlapping = torch.zeros(40 * 128, dtype=torch.float16, device=device).as_strided((4, 16, 2, 64), (512, 64, 64, 1))
-    with pytest.raises(ValueError, match=r"v_cache: expected a cache whose elements are distinct"):
+    with pytest.raises(ValueError, match=r"v_cache: expected a tensor whose elements are distinct"):
         evenkv.write_kv(overlapping.clone(), overlapping, new, new, slots)
 
 
@@ -212,7 +212,8 @@ def test_head_dim_is_one_rule(device):
     calls = [lambda: _attn(device, head_dim=100),
              lambda: evenkv.Attention(8, 2, 100, 16, torch.float16, device, 4, 8),
              lambda: evenkv.extend(q, k, k, **meta),
-             lambda: evenkv.decode(q, k, k, meta["seq_lens"].expand(3), meta["page_table"].expand(3, 1), 16)]
+             lambda: evenkv.decode(q, k, k, meta["seq_lens"].expand(3).contiguous(), meta["page_table"].expand(3, 1),
+                                   16)]
     for call in calls:
         with pytest.raises(ValueError) as err:
             call()
@@ -293,3 +294,136 @@ def test_4d_caches_are_one_rule(device):
     plan = attn.plan(lens, pt)
     with pytest.raises(ValueError, match=r"k_cache: expected \[num_pages, page_size=16, Hkv, D\]"):
         attn.run(plan, q, kc.view(-1, 8, 2, 64), vc.view(-1, 8, 2, 64))
+
+
+def _raises(call, exc, *words):
+    with pytest.raises(exc) as err:
+        call()
+    for w in words:
+        assert w in str(err.value), (str(err.value), w)
+
+
+def test_index_tensors_must_be_contiguous(device):
+    """Lengths, query offsets, slots and tree masks are read by the kernels as dense arrays (no
+    strides are passed): a strided view (every other entry) would be read as its neighbours."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    every_other = torch.tensor([20, 16, 3, 16], dtype=torch.int32, device=device)[::2]
+    cu_strided = torch.tensor([0, 9, 1, 9, 2], dtype=torch.int32, device=device)[::2]
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8)
+    _raises(lambda: _attn(device).plan(every_other, pt), ValueError, "seq_lens", "contiguous", "(2,)")
+    _raises(lambda: attention.plan(cu, every_other, pt, num_decodes=2, max_q_len=1), ValueError, "seq_lens",
+            "contiguous")
+    _raises(lambda: attention.plan(cu_strided, lens, pt, num_decodes=2, max_q_len=1), ValueError, "cu_seqlens_q",
+            "contiguous")
+    _raises(lambda: evenkv.extend(q, kc, vc, cu_seqlens_q=cu_strided, seq_lens=lens, page_table=pt, page_size=16,
+                                  max_q_len=1), ValueError, "cu_seqlens_q", "contiguous")
+    _raises(lambda: evenkv.extend(q, kc, vc, cu_seqlens_q=cu, seq_lens=every_other, page_table=pt, page_size=16,
+                                  max_q_len=1), ValueError, "seq_lens", "contiguous")
+    new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
+    slots = torch.tensor([3, 9, 7, 10], device=device)[::2]
+    _raises(lambda: evenkv.write_kv(kc, vc, new, new, slots), ValueError, "slot_mapping", "contiguous")
+    verify = _attn(device, max_q_len=2, tree_masks=True)
+    tree = torch.tensor([1, 0, 3, 0, 1, 0, 3, 0], dtype=torch.int32, device=device)[::2]
+    _raises(lambda: verify.plan(lens + 2, pt, cu_seqlens_q=cu * 2, q_len=2, tree_mask=tree), ValueError, "tree_mask",
+            "contiguous")
+
+
+def test_tree_mask_must_cover_the_query_rows(device):
+    """Each query row reads its own tree-mask entry: a shorter mask would be read past its end."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    short = torch.tensor([1], dtype=torch.int32, device=device)
+    verify = _attn(device, max_q_len=2, tree_masks=True)
+    plan = verify.plan(lens + 2, pt, cu_seqlens_q=cu, q_len=2, tree_mask=short)
+    q4 = torch.zeros(4, 8, 64, dtype=torch.float16, device=device)
+    _raises(lambda: verify.run(plan, q4, kc, vc), ValueError, "tree_mask", "4 rows", "(1,)")
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, max_decode_q_len=2, tree_masks=True)
+    _raises(lambda: attention.plan(cu, lens + 2, pt, num_decodes=2, max_q_len=1, decode_q_len=2,
+                                   num_decode_tokens=4, tree_mask=short), ValueError, "tree_mask",
+            "num_decode_tokens=4", "(1,)")
+
+
+def test_outputs_and_caches_must_not_alias(device):
+    """An output whose rows share memory (an expanded view) would have its rows overwrite each
+    other; K and V caches that are one tensor would have V overwrite K."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    shared = torch.empty(1, 8, 64, dtype=torch.float16, device=device).expand(2, 8, 64)
+    attn = _attn(device)
+    _raises(lambda: attn.run(attn.plan(lens, pt), q, kc, vc, out=shared), ValueError, "out", "distinct")
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    _raises(lambda: evenkv.extend(q, kc, vc, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, page_size=16,
+                                  max_q_len=1, out=shared), ValueError, "out", "distinct")
+    new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
+    _raises(lambda: evenkv.write_kv(kc, kc, new, new, torch.tensor([0, 1], device=device)), ValueError,
+            "k_cache, v_cache", "same element")
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(sm_scale=1e39), ["sm_scale", "1e+39", "float32"]),
+    (dict(sm_scale=1e-46), ["sm_scale", "1e-46"]),
+    (dict(sm_scale=1e30, k_scale=1e30), ["sm_scale, k_scale, logit_cap", "score scale"]),
+    (dict(k_scale=1e39), ["k_scale", "1e+39"]),
+    (dict(v_scale=1e-300), ["v_scale", "1e-300"]),
+])
+def test_scales_must_be_normal_float32(device, kw, words):
+    """The kernels multiply by the scales (and their folded product) in float32: one that
+    overflows to inf or underflows to 0 there is refused, naming it."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    fp8 = dict(kv_dtype=torch.float8_e4m3fn)
+    attn = _attn(device, **fp8)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    _raises(lambda: attn.run(attn.plan(lens, pt), q, k8, v8, **kw), ValueError, *words)
+
+
+def test_logit_cap_and_write_scales_must_be_normal_float32(device):
+    _raises(lambda: _attn(device, logit_cap=1e39), ValueError, "logit_cap", "1e+39")
+    kc = torch.zeros(32, 2, 64, dtype=torch.float8_e4m3fn, device=device)
+    new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
+    for scale in (1e-46, 1e39):
+        _raises(lambda: evenkv.write_kv(kc, kc.clone(), new, new, torch.tensor([0, 1], device=device),
+                                        k_scale=scale), ValueError, "k_scale", repr(scale))
+
+
+def test_required_metadata_and_host_ints(device):
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    _raises(lambda: evenkv.extend(q, kc, vc, cu_seqlens_q=None, seq_lens=lens, page_table=pt, page_size=16,
+                                  max_q_len=1), TypeError, "cu_seqlens_q", "NoneType")
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8)
+    _raises(lambda: attention.plan(None, lens, pt, num_decodes=2, max_q_len=1), TypeError, "cu_seqlens_q",
+            "NoneType")
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    _raises(lambda: attention.plan(cu, lens, pt, num_decodes=2, max_q_len=1, decode_q_len=None), TypeError,
+            "decode_q_len", "NoneType")
+
+
+def test_host_arguments_are_checked(device):
+    """Host-side arguments named in the message: the host copy of the lengths, an engine prefill
+    kernel, the prefill's length bound, the debug and deterministic flags, config tile sizes,
+    and caches without a KV head."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    attn = _attn(device)
+    _raises(lambda: attn.plan(lens, pt, seq_lens_cpu=[20, 3]), TypeError, "seq_lens_cpu", "list")
+    _raises(lambda: attn.plan(lens, pt, seq_lens_cpu=torch.tensor([20])), ValueError, "seq_lens_cpu", "[2]")
+    _raises(lambda: attn.plan(lens, pt, seq_lens_cpu=torch.tensor([20.0, 3.0])), TypeError, "seq_lens_cpu",
+            "float32")
+    _raises(lambda: evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, prefill_kernel="fa3"), TypeError,
+            "prefill_kernel", "str")
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
+    _raises(lambda: attention.plan(cu, lens, pt, num_decodes=1, max_q_len=3, max_seq_len=-5), ValueError,
+            "max_seq_len", "-5")
+    _raises(lambda: evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, "gpu", 4, 8), ValueError, "device", "'gpu'")
+    _raises(lambda: _attn(device, debug="no"), TypeError, "debug", "'no'")
+    _raises(lambda: _attn(device, deterministic="yes"), TypeError, "deterministic", "'yes'")
+    _raises(lambda: evenkv.ExtendConfig("x", block_m=3, block_n=16, num_warps=4, num_stages=2), ValueError,
+            "ExtendConfig.block_m", "power of two", "3")
+    _raises(lambda: evenkv.DecodeConfig("x", block_n=64, num_warps=4, num_stages=0, max_ctas_per_sm=1), ValueError,
+            "DecodeConfig.num_stages", "0")
+    empty = torch.zeros(32, 0, 64, dtype=torch.float16, device=device)
+    _raises(lambda: evenkv.extend(q, empty, empty, cu_seqlens_q=torch.arange(3, dtype=torch.int32, device=device),
+                                  seq_lens=lens, page_table=pt, page_size=16, max_q_len=1), ValueError, "k_cache",
+            "KV head")
+    new = torch.zeros(2, 0, 64, dtype=torch.float16, device=device)
+    _raises(lambda: evenkv.write_kv(empty, empty.clone(), new, new, torch.tensor([0, 1], device=device)), ValueError,
+            "k_cache", "KV head")

@@ -284,3 +284,50 @@ def test_reference_of_clamped_decode_matches(device):
     full = torch.tensor([pt.shape[1] * PAGE, 5], dtype=torch.int32, device=device)
     out = evenkv.decode(q, k, v, torch.tensor([10**6, 5], device=device), pt, PAGE)
     torch.testing.assert_close(out.float(), decode_reference(q, k, v, full, pt, PAGE), atol=3e-3, rtol=0)
+
+
+@pytest.mark.parametrize("cu", [[0, 0, 1, 3], [0, 1, 1, 2]], ids=["shifted", "empty-row"])
+@pytest.mark.parametrize("policy,deterministic", [("balanced", False), ("fa3", False), ("none", False),
+                                                  ("balanced", True)])
+def test_plain_decode_rows_off_their_row_are_flagged(device, cu, policy, deterministic):
+    """A plain decode request b's query is q row b: query offsets that put it elsewhere, or give
+    a request with keys no query, are flagged and never run on another request's row (those
+    rows of out are left as they were: zeros here); the well-formed requests are right."""
+    lens_list = [20, 5, 9]
+    q, k, v, lens, pt = make_paged_batch(lens_list, HQ, HKV, D, PAGE, torch.float16, device)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], policy,
+                            deterministic=deterministic)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    out = attn.run(attn.plan(cu_t, lens, pt, num_decodes=3, max_q_len=1), q, k, v, out=torch.zeros_like(q))
+    assert errors.REASONS[errors.QUERY_OUT_OF_RANGE] in _flagged(device)
+    good = [b for b in range(3) if cu[b] == b and cu[b + 1] == b + 1]
+    bad = [b for b in range(3) if b not in good]
+    assert torch.all(out[bad] == 0)
+    assert_close_to_reference(out[good], q[good], k, v, lens[good], pt[good], PAGE)
+
+
+def test_extend_max_q_len_zero_with_tokens(device):
+    """max_q_len=0 for a batch that has query tokens: rows of one token are run (correct), longer
+    ones flagged, none left silently unwritten."""
+    b = _extend_batch(device, False)
+    out = evenkv.extend(b["q"], b["k"], b["v"], cu_seqlens_q=b["cu"], seq_lens=b["seq"], page_table=b["pt"],
+                        page_size=PAGE, max_q_len=0, out=torch.zeros_like(b["q"]))
+    assert errors.REASONS[errors.QUERY_OUT_OF_RANGE] in _flagged(device)
+    assert torch.isfinite(out).all()
+    errors.error_flag(device).zero_()
+    one = dict(cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device), seq_lens=b["seq"][:1].clone(),
+               page_table=b["pt"][:1], page_size=PAGE)
+    single = evenkv.extend(b["q"][:1], b["k"], b["v"], max_q_len=0, **one)
+    assert not _flagged(device)
+    assert torch.equal(single, evenkv.extend(b["q"][:1], b["k"], b["v"], max_q_len=1, **one))
+
+
+def test_new_tokens_beside_an_engine_prefill_kernel_are_refused(device):
+    """The engine's prefill kernel reads the new tokens' K/V from the cache: k_new / v_new given
+    with it would be dropped, so they are refused."""
+    b = _extend_batch(device, True)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, b["pt"].shape[1],
+                            prefill_kernel=BoundsCheckingPrefill())
+    plan = attn.plan(b["cu"], b["seq"], b["pt"], num_decodes=0, max_q_len=9)
+    with pytest.raises(ValueError, match="k_new, v_new: .*bounds-checking reference prefill.*pass None"):
+        attn.run(plan, b["q"], b["k"], b["v"], k_new=b["kn"], v_new=b["vn"])

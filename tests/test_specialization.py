@@ -63,14 +63,15 @@ def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size
     """Attention (both engines' entry): batch sizes across the plan kernel's chunk buckets and
     the many-segments threshold, page tables of any width and row stride, any query lengths,
     any number of decode rows, int32 and int64 lengths; extend rows on evenkv's kernel or an
-    engine's (``prefill``: then evenkv bounds their rows, from any first row)."""
+    engine's (``prefill``: then evenkv bounds their rows, from any first row, and the new
+    tokens are read from the cache, as SGLang's adapter then passes them)."""
     max_batch, width = 300, 64
     q, k_new, v_new, k_cache, v_cache = _tensors(device, page_size, packed=not new_tokens)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     attn = evenkv.Attention(HQ, HKV, D, page_size, torch.bfloat16, device, max_batch, width, policy,
                             prefill_kernel=SilentPrefill() if prefill else None)
     assert (attn.prefill_kernel is not None) == prefill
-    kn, vn = (k_new, v_new) if new_tokens else (None, None)
+    kn, vn = (k_new, v_new) if new_tokens and not prefill else (None, None)
     attn.warmup(q, k_cache, v_cache, k_new=kn, v_new=vn, out=out)
     gen = torch.Generator().manual_seed(0)
     page_tables = torch.zeros(max_batch, width + 7, dtype=torch.int32, device=device)
@@ -87,7 +88,7 @@ def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size
         plan = attn.plan(cu, seq_lens, table, num_decodes=decodes, max_q_len=max(q_lens))
         total = int(cu[-1])
         attn.run(plan, q[:total], k_cache, v_cache, out=out[:total],
-                 k_new=kn[:total] if new_tokens else None, v_new=vn[:total] if new_tokens else None,
+                 k_new=None if kn is None else kn[:total], v_new=None if vn is None else vn[:total],
                  sm_scale=0.1 + step / 100)
     _assert_covered(recorder)
 

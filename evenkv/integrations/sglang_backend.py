@@ -602,6 +602,10 @@ class EvenKVAttnBackend(AttentionBackend):
 
     def _run(self, layer, meta: ForwardMetadata, q, k_cache, v_cache, out, k_new, v_new, sinks) -> None:
         kind = self._layer_kind[layer.layer_id]
+        if self.attentions[kind].prefill_kernel is not None:
+            # The engine's prefill kernel reads the new tokens from the cache, which holds them:
+            # written above, or by the model itself where it passes save_kv_cache=False.
+            k_new = v_new = None
         scales = {}
         if self.fp8:
             scales = dict(k_scale=float(layer.k_scale_float or 1.0), v_scale=float(layer.v_scale_float or 1.0))

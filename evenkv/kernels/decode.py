@@ -937,7 +937,8 @@ def decode_units_kernel(
                 tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
             first_tok, n_tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
         else:
-            first_tok, n_tiles = window_tiles(seq_len, window, BLOCK_N)
+            # A malformed plain row (q_len 0, flagged by the planner) attends to nothing: zeros.
+            first_tok, n_tiles = window_tiles(tl.where(q_len > 0, seq_len, 0), window, BLOCK_N)
         # split is 0 whenever num_splits is 1, so tile_begin is 0 there.
         tile_begin = split * tiles_per_split
         tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))

@@ -12,6 +12,8 @@ import warnings
 
 from triton.runtime.driver import driver
 
+from evenkv.checks import check_fp32_scale
+
 try:
     from triton.runtime._async_compile import AsyncCompileMode, FutureKernel, active_mode
 except ImportError:  # private to Triton: where it moves, kernels build one at a time
@@ -31,10 +33,17 @@ LOG2E = 1.4426950408889634
 def score_scales(sm_scale: float, logit_cap: float | None, k_scale: float = 1.0) -> tuple[float, float]:
     """(qk_scale, cap_scale) for raw scores s = q . k_stored: base-2 scores are s * qk_scale, or
     with a soft-cap ``numerics.soft_cap(s, qk_scale, cap_scale)``. k_scale (an FP8 cache's
-    dequantization scale) folds into qk_scale."""
+    dequantization scale) folds into qk_scale. Each must be a normal float32 in the kernels
+    (ValueError naming the arguments otherwise)."""
     if logit_cap:
-        return 2.0 * LOG2E * sm_scale * k_scale / logit_cap, logit_cap * LOG2E
-    return sm_scale * k_scale * LOG2E, 0.0
+        scales = 2.0 * LOG2E * sm_scale * k_scale / logit_cap, logit_cap * LOG2E
+    else:
+        scales = sm_scale * k_scale * LOG2E, 0.0
+    for value in scales:
+        if value:
+            check_fp32_scale("sm_scale, k_scale, logit_cap: the score scale they fold into (sm_scale x k_scale x "
+                             "log2(e), over logit_cap with a soft-cap)", value)
+    return scales
 
 
 def launch_or_compile(kernel, grid: tuple, warmup: bool, *args, **kwargs):

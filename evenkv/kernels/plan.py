@@ -75,8 +75,9 @@ def decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q: t
     MULTI_Q (speculative verify): q_len = cu[b + 1] - cu[b], clamped to [0, min(max_q_len,
     seq_len)] (the new tokens are among the keys; a padding row, seq_len 0, keeps up to
     max_q_len rows, which get zeros); a row starting before q row 0 gets q_len 0.
-    Plain decode: request b's query is q row b; a q_len other than 1 (0 for padding rows) is
-    malformed. Either way a malformed range is reported, never run as something else."""
+    Plain decode: request b's query is q row b, so cu[b] = b and q_len 1 (or 0 for a padding
+    row, seq_len 0); any other range is malformed and gets q_len 0. Either way a malformed
+    range is reported, never run as something else."""
     q_start = tl.load(cu_seqlens_ptr + offs, mask=mask, other=0)
     raw = tl.load(cu_seqlens_ptr + offs + 1, mask=mask, other=0) - q_start
     if MULTI_Q:
@@ -85,8 +86,9 @@ def decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q: t
         q_len = tl.where(q_start >= 0, q_len, 0)
         bad = mask & ((q_len != raw) | (q_start < 0))
     else:
-        q_len = tl.where(raw == 1, 1, 0)
-        bad = mask & ((raw > 1) | (raw < 0))
+        at_row = q_start == offs
+        q_len = tl.where(at_row & (raw == 1), 1, 0)
+        bad = mask & ~(at_row & ((raw == 1) | ((raw == 0) & (seq_len == 0))))
         q_start = offs
     return q_start.to(tl.int32), q_len.to(tl.int32), bad
 
@@ -96,7 +98,7 @@ def _request_cost(seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, wind
                   NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, MULTI_Q: tl.constexpr):
     """(clamped length, cost, in batch, first q row, q_len, how many lengths needed the clamp,
     how many query ranges are malformed) of requests ``offs``. A row with no query token
-    costs nothing (MULTI_Q)."""
+    (a malformed plain decode row included) costs nothing."""
     mask = offs < batch_size
     # Clamp before narrowing: int64 lengths past 2**31 must not wrap.
     raw = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
@@ -104,9 +106,9 @@ def _request_cost(seq_lens_ptr, cu_seqlens_ptr, offs, batch_size, capacity, wind
     q_start, q_len, bad_q = decode_query_rows(cu_seqlens_ptr, offs, mask, seq_len, max_q_len, MULTI_Q)
     if MULTI_Q:
         _, tiles = window_tiles(seq_len, row_window(window, q_len), BLOCK_N)
-        tiles = tl.where(q_len > 0, tiles, 0)
     else:
         _, tiles = window_tiles(seq_len, window, BLOCK_N)
+    tiles = tl.where(q_len > 0, tiles, 0)
     bad_len = tl.sum(((raw < 0) | (raw > capacity)).to(tl.int32), 0)
     return seq_len, tiles * NUM_KV_HEADS, mask, q_start, q_len, bad_len, tl.sum(bad_q.to(tl.int32), 0)
 
