@@ -254,6 +254,13 @@ class Attention:
 
         Shapes as ``run``'s. Under the Triton interpreter nothing is compiled.
         """
+        self.decode.check_warmup_tensors(q, k_cache, v_cache, out, sinks, index_dtypes)
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new, v_new: expected both or neither")
+        for name, new in (("k_new", k_new), ("v_new", v_new)):
+            if new is not None:
+                check_tensor(name, new, shape=(None, self.num_kv_heads, self.head_dim), dtypes=(self.dtype,),
+                             device=self.device, last_dim_contiguous=True)
         k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         with parallel_compiles():
             self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, sinks, index_dtypes)
@@ -463,14 +470,15 @@ class Attention:
     def _guard_prefill_rows(self, plan: AttentionPlan, total_q: int, num_pages: int) -> None:
         """Bound the extend rows the engine's prefill kernel takes (whose own kernels trust their
         batch data) as evenkv's kernels bound theirs, on the device: q rows inside q's
-        ``total_q``, lengths raised to their q lengths and inside the page table, and a request
-        with a page id outside the cache's ``num_pages`` given no keys, each flagged in the
+        ``total_q``, lengths raised to their q lengths, and a request whose length passes the page
+        table or ``max_seq_len`` (the prefill's bound), or with a page id outside the cache's
+        ``num_pages``, given no keys, each flagged in the
         error flag (``guard_prefill_rows_kernel``). The audit here checks every entry below a
         request's length, window or not: the prefill kernel may load keys before a window it
         then masks. Once per plan and q size."""
         d, begin = plan.delegated, plan.num_decodes
         rows = plan.batch_size - begin
-        capacity = d.page_table.shape[1] * self.page_size
+        capacity = min(d.page_table.shape[1] * self.page_size, d.max_seq_len)
         lens_audit = self._lens_extend_audit[:rows]
         plan_launch.launch_guard_prefill_rows(
             plan.cu_seqlens_q[begin:], plan.seq_lens[begin:], d.cu_seqlens_q, d.seq_lens, lens_audit, self._errors,

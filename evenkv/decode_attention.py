@@ -395,6 +395,7 @@ class DecodeAttention:
         sinks: the [Hq] sinks ``run`` will take, or None.
         Under the Triton interpreter nothing is compiled (the launches are no-ops).
         """
+        self.check_warmup_tensors(q, k_cache, v_cache, out, sinks, index_dtypes)
         k_pages, v_pages = decode_caches(k_cache, v_cache, self.page_size)
         t = dict(q=q, k_cache=k_pages, v_cache=v_pages,
                  out=out if out is not None else q, sinks=sinks,
@@ -416,6 +417,19 @@ class DecodeAttention:
             with parallel_compiles():  # the plan kernels were built for the caps' grids
                 self._compile_plans(t["page_table"], index_dtypes)
         self.warmed_up = True
+
+    def check_warmup_tensors(self, q, k_cache, v_cache, out, sinks, index_dtypes) -> None:
+        """``warmup``'s arguments, checked as ``run`` checks its own (any number of q rows)."""
+        hq, d = self.num_q_heads, self.head_dim
+        check_tensor("q", q, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device, last_dim_contiguous=True)
+        check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
+                        num_kv_heads=self.num_kv_heads, head_dim=d)
+        if out is not None:
+            check_tensor("out", out, shape=(None, hq, d), dtypes=(self.dtype,), device=self.device,
+                         last_dim_contiguous=True)
+        check_sinks(sinks, hq, self.device)
+        if not isinstance(index_dtypes, tuple) or not index_dtypes or any(t not in INDEX_DTYPES for t in index_dtypes):
+            raise TypeError(f"index_dtypes: expected a non-empty tuple of {INDEX_DTYPES}, got {index_dtypes!r}")
 
     # -- plan -------------------------------------------------------------------
 

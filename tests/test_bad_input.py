@@ -414,6 +414,10 @@ def test_host_arguments_are_checked(device):
     _raises(lambda: attention.plan(cu, lens, pt, num_decodes=1, max_q_len=3, max_seq_len=-5), ValueError,
             "max_seq_len", "-5")
     _raises(lambda: evenkv.DecodeAttention(8, 2, 64, 16, torch.float16, "gpu", 4, 8), ValueError, "device", "'gpu'")
+    _raises(lambda: attn.warmup(q, [1], vc), TypeError, "k_cache", "list")
+    _raises(lambda: attn.warmup(q.float(), kc, vc), TypeError, "q", "float32")
+    _raises(lambda: attn.warmup(q, kc, vc, index_dtypes=(torch.float32,)), TypeError, "index_dtypes")
+    _raises(lambda: attention.warmup(q, kc, vc, k_new=q), ValueError, "k_new, v_new")
     _raises(lambda: _attn(device, debug="no"), TypeError, "debug", "'no'")
     _raises(lambda: _attn(device, deterministic="yes"), TypeError, "deterministic", "'yes'")
     _raises(lambda: evenkv.ExtendConfig("x", block_m=3, block_n=16, num_warps=4, num_stages=2), ValueError,

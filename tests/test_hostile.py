@@ -212,13 +212,14 @@ class BoundsCheckingPrefill:
         out[cu[0]:cu[-1]] = ref[cu[0]:cu[-1]].to(out.dtype)
 
 
-@pytest.mark.parametrize("case", ["page", "page-before-window", "length", "rows", "order", "below", "negative",
-                                  "first-row"])
+@pytest.mark.parametrize("case", ["page", "page-before-window", "length", "max-seq-len", "rows", "order", "below",
+                                  "negative", "first-row"])
 def test_engine_prefill_kernel_gets_bounded_rows(device, case):
     """The extend rows ``Attention`` hands an engine's prefill kernel (FA3, which dereferences
     whatever its arguments say) are bounded as evenkv's own kernels bound theirs: q rows inside
-    q, lengths raised to q_len and inside the page table, a request with a page id outside the
-    cache given no keys (zeros); each is flagged, and the other requests are right."""
+    q, lengths raised to q_len, a request whose length passes the page table or the prefill's
+    max_seq_len, or with a page id outside the cache, given no keys (zeros); each is flagged,
+    and the other requests are right."""
     b = _extend_batch(device, False)
     window = 4 if case == "page-before-window" else None
     pt, seq, cu, q, num_decodes = b["pt"].clone(), b["seq"].clone(), b["cu"].clone(), b["q"], 0
@@ -230,6 +231,8 @@ def test_engine_prefill_kernel_gets_bounded_rows(device, case):
     elif case == "length":
         seq[0] = 10**6  # past the page table, into its garbage tail: no keys either
         reason = errors.LENGTH_OUT_OF_RANGE
+    elif case == "max-seq-len":
+        reason = errors.LENGTH_OUT_OF_RANGE  # request 0's 45 tokens pass the bound given below
     elif case == "rows":
         cu[3] = 10**6
         good = [0, 1]
@@ -246,7 +249,8 @@ def test_engine_prefill_kernel_gets_bounded_rows(device, case):
     attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], sliding_window=window,
                             prefill_kernel=prefill)
     assert attn.prefill_kernel is prefill
-    plan = attn.plan(cu, seq, pt, num_decodes=num_decodes, max_q_len=9)
+    bound = {"max_seq_len": 44} if case == "max-seq-len" else {}
+    plan = attn.plan(cu, seq, pt, num_decodes=num_decodes, max_q_len=9, **bound)
     # (zeroed outputs: the first-row case's q row 1 lies in no bounded range and is not written)
     out = attn.run(plan, q, b["k"], b["v"], out=torch.zeros_like(q))
     out2 = attn.run(plan, q, b["k"], b["v"], out=torch.zeros_like(q))  # the next layer: the same rows
@@ -256,7 +260,7 @@ def test_engine_prefill_kernel_gets_bounded_rows(device, case):
     rows = b["cu"].tolist()
     for r in good:
         torch.testing.assert_close(out[rows[r]:rows[r + 1]].float(), want[rows[r]:rows[r + 1]], atol=2e-2, rtol=0)
-    if case in ("page", "page-before-window", "length"):
+    if case in ("page", "page-before-window", "length", "max-seq-len"):
         assert prefill.calls[0]["lens"][0] == 0 and torch.all(out[:5] == 0)
     if case == "below":
         assert prefill.calls[0]["lens"][2] == 3  # raised to its q_len, as evenkv's extend kernel reads it

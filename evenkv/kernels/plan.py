@@ -388,9 +388,10 @@ def guard_prefill_rows_kernel(
     (QUERY_OUT_OF_RANGE where that changed an entry, where the first is not ``first_row``, or
     where a request has more than ``max_q_len`` rows, of which the kernel computes
     ``max_q_len``); lens_out, lens_audit [E] int32: seq_len raised to the request's q_len
-    (SEQ_LEN_BELOW_Q_LEN, as evenkv's extend kernel does) and clamped to ``capacity``, the page
-    table's reach (LENGTH_OUT_OF_RANGE). ``lens_audit`` is the page audit's copy to read while
-    it zeroes requests of ``lens_out``."""
+    (SEQ_LEN_BELOW_Q_LEN, as evenkv's extend kernel does), or 0 (no keys) past ``capacity``,
+    the page table's reach or the prefill's length bound (LENGTH_OUT_OF_RANGE): a request the
+    prefill cannot read whole is not run on part of its keys. ``lens_audit`` is the page
+    audit's copy to read while it zeroes requests of ``lens_out``."""
     offs = tl.arange(0, BLOCK_B)
     carry = tl.zeros([], tl.int32)
     query_bad = tl.zeros([BLOCK_B], tl.int1)
@@ -410,9 +411,10 @@ def guard_prefill_rows_kernel(
         q_len = tl.maximum(begin, tl.minimum(tl.maximum(raw_end, 0), total_rows).to(tl.int32)) - begin
         query_bad = query_bad | (in_req & (q_len > max_q_len))
         raw_len = tl.load(seq_lens_ptr + idx, mask=in_req, other=0)
-        lens = tl.minimum(tl.maximum(raw_len, q_len), capacity).to(tl.int32)
+        raised = tl.maximum(raw_len, q_len)
+        lens = tl.where(raised > capacity, 0, raised).to(tl.int32)
         below = below | (in_req & (raw_len < q_len))
-        beyond = beyond | (in_req & (tl.maximum(raw_len, q_len) > capacity))
+        beyond = beyond | (in_req & (raised > capacity))
         tl.store(lens_out_ptr + idx, lens, mask=in_req)
         tl.store(lens_audit_ptr + idx, lens, mask=in_req)
         carry = tl.max(tl.where(in_cu, begin, 0), 0)
