@@ -25,7 +25,7 @@ from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, PlanRecord, check_attention_layout, check_batch_limits,
-                     check_batch_metadata, check_head_dim, check_kv_caches, check_policy, check_tensor,
+                     check_batch_metadata, check_head_dim, check_kv_caches, check_new_tokens, check_policy, check_tensor,
                      decode_caches, normalize_logit_cap, normalize_window, output_like, resolve_device,
                      resolve_kv_dtype, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
@@ -255,12 +255,7 @@ class Attention:
         Shapes as ``run``'s. Under the Triton interpreter nothing is compiled.
         """
         self.decode.check_warmup_tensors(q, k_cache, v_cache, out, sinks, index_dtypes)
-        if (k_new is None) != (v_new is None):
-            raise ValueError("k_new, v_new: expected both or neither")
-        for name, new in (("k_new", k_new), ("v_new", v_new)):
-            if new is not None:
-                check_tensor(name, new, shape=(None, self.num_kv_heads, self.head_dim), dtypes=(self.dtype,),
-                             device=self.device, last_dim_contiguous=True)
+        check_new_tokens(k_new, v_new, None, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
         with parallel_compiles():
             self._warmup(q, k_cache, v_cache, k_new, v_new, out if out is not None else q, sinks, index_dtypes)
@@ -425,18 +420,11 @@ class Attention:
         check_kv_caches(k_cache, v_cache, page_size=self.page_size, dtypes=(self.kv_dtype,), device=self.device,
                         num_kv_heads=hkv, head_dim=d)
         k_cache, v_cache = decode_caches(k_cache, v_cache, self.page_size)
-        if (k_new is None) != (v_new is None):
-            raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
-                             f" and v_new={'None' if v_new is None else 'a tensor'}")
+        check_new_tokens(k_new, v_new, total_q, hkv, d, self.dtype, self.device)
         if k_new is not None and plan.delegated is not None:
             raise ValueError(f"k_new, v_new: this batch's extend rows run on {self.prefill_kernel.name} (the engine's "
                              "prefill kernel), which reads the new tokens' K/V from the cache: write them there and "
                              "pass None")
-        if k_new is not None:
-            check_tensor("k_new", k_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
-                         last_dim_contiguous=True)
-            check_tensor("v_new", v_new, shape=(total_q, hkv, d), dtypes=(self.dtype,), device=self.device,
-                         last_dim_contiguous=True)
         terms = self.decode.layer_terms(sm_scale, sinks, k_scale, v_scale)
         out = output_like(q, out)
         if plan.batch_size == 0 or total_q == 0:

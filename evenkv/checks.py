@@ -56,8 +56,22 @@ def output_like(q: torch.Tensor, out) -> torch.Tensor:
     if out is None:
         return torch.empty_like(q)
     check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device, last_dim_contiguous=True)
-    check_distinct_elements("out", out)
+    if not out.is_contiguous():  # a contiguous tensor's elements are distinct
+        check_distinct_elements("out", out)
     return out
+
+
+def check_new_tokens(k_new, v_new, rows: int | None, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """The new tokens' K/V an extend takes beside the cache: both None, or both [rows, Hkv, D]
+    (``rows`` None: any) of ``dtype`` on ``device`` with a unit stride in D."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'a tensor'}"
+                         f" and v_new={'None' if v_new is None else 'a tensor'}")
+    for name, new in (("k_new", k_new), ("v_new", v_new)):
+        if new is not None:
+            check_tensor(name, new, shape=(rows, num_kv_heads, head_dim), dtypes=(dtype,), device=device,
+                         last_dim_contiguous=True)
 
 
 def check_positive_int(name: str, value, *, allowed: tuple | None = None) -> int:

@@ -499,7 +499,8 @@ class DecodeAttention:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
             clamped = ((seq_lens < 0) | (seq_lens > capacity)).any()
             self._errors.bitwise_or_(clamped.to(torch.int32) * LENGTH_OUT_OF_RANGE)
-            q_lens, malformed = decode_query_lens(cu_seqlens_q, plan_seq_lens, q_len, bucket > 1)
+            q_lens, malformed = decode_query_lens(cu_seqlens_q, plan_seq_lens, q_len, bucket > 1,
+                                                  self._row_per_request)
             self._errors.bitwise_or_(malformed.any().to(torch.int32) * QUERY_OUT_OF_RANGE)
             if self._kind == "units":
                 # The units are split by the tiles each row reads (a window's, ``row_window``).

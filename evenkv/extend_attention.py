@@ -20,8 +20,9 @@ from evenkv.kernels import plan_launch
 from evenkv.kernels import extend_launch as launch
 
 from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, as_pages, check_batch_metadata, check_fp8_capable,
-                     check_head_dim, check_kv_caches, check_kv_scale, check_positive_int, check_sinks, check_tensor,
-                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_sm_scale)
+                     check_head_dim, check_kv_caches, check_kv_scale, check_new_tokens, check_positive_int, check_sinks,
+                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
+                     resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
 from .planning import ExtendPlan, plan_extend
 
@@ -159,13 +160,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         raise TypeError(f"max_q_len: expected a host int, got {type(max_q_len).__name__}")
     if max_q_len < 0:
         raise ValueError(f"max_q_len: expected >= 0, got {max_q_len}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError(f"k_new, v_new: expected both or neither, got k_new={'None' if k_new is None else 'tensor'}"
-                         f" and v_new={'None' if v_new is None else 'tensor'}")
-    if k_new is not None:
-        shape_new = (total_q, num_kv_heads, head_dim)
-        check_tensor("k_new", k_new, shape=shape_new, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
-        check_tensor("v_new", v_new, shape=shape_new, dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+    check_new_tokens(k_new, v_new, total_q, num_kv_heads, head_dim, q.dtype, dev)
     scale = resolve_sm_scale(sm_scale, head_dim)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")

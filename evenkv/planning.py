@@ -138,15 +138,16 @@ class DecodePlan:
 
 
 def decode_query_lens(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_q_len: int,
-                      multi_q: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      multi_q: bool, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_len [B], malformed [B] bool) of decode requests from cu_seqlens_q [B + 1] and clamped
     seq_lens [B], as the kernels clamp them (``kernels.plan.decode_query_rows``): rows of several
     query tokens take q_len in [0, min(max_q_len, seq_len)] (up to max_q_len for padding rows,
-    seq_len 0); a plain decode row q row b (q_len 1, or 0 if malformed). GPU ops only."""
+    seq_len 0); a plain decode row q row b (q_len 1, or 0 if malformed; row_ids [>= B] holds
+    0, 1, ...). GPU ops only."""
     start = cu_seqlens_q[:-1]
     raw = cu_seqlens_q[1:] - start
     if not multi_q:
-        at_row = start == torch.arange(start.shape[0], device=start.device)
+        at_row = start == row_ids[:start.shape[0]]
         q_lens = (at_row & (raw == 1)).to(raw.dtype)
         return q_lens, ~(at_row & ((raw == 1) | ((raw == 0) & (seq_lens == 0))))
     cap = torch.where(seq_lens > 0, seq_lens.clamp(max=max_q_len), max_q_len)

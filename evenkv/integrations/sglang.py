@@ -18,9 +18,9 @@ a draft worker's backends from a fixed table of its own (``DraftBackendFactory``
 ``sglang/srt/speculative/draft_utils.py``); ``register`` wraps its two builders (SGLang's plugin
 hooks) so that the name ``evenkv`` builds evenkv's: the draft model runner's own backend for
 its prefill and DRAFT_EXTEND_V2 batches, and ``sglang_draft.EvenKVMultiStepDraftBackend`` for its
-decode steps (chains, ``speculative_eagle_topk`` 1). Where evenkv is the target's backend and
-that flag is not given, ``register`` makes it ``triton`` (a hook before a ServerArgs is
-resolved), which also serves draft trees.
+decode steps (chains at any page size; trees of ``speculative_eagle_topk`` > 1 at page size 1).
+Where evenkv is the target's backend and that flag is not given, ``register`` makes it
+``triton`` (a hook before a ServerArgs is resolved), which serves every draft shape.
 
 gpt-oss (``GptOssForCausalLM``; Gemma 4 and Llama 4 likewise) cannot select evenkv: SGLang
 asserts that both attention backends are in a list literal of built-in names (0.5.17:

@@ -593,8 +593,12 @@ class EvenKVAttnBackend(AttentionBackend):
         # Deterministic mode reads the new tokens back from the cache too (they were just
         # written): then a prompt's tiles do not depend on how it was chunked. So does an FP8
         # pool: its new tokens are read as quantized, as decode will read them (and SGLang
-        # divided k and v by the scales in place when it wrote them).
-        from_cache = k is None or meta.decode_rows or (save_kv_cache and (self.deterministic or self.fp8))
+        # divided k and v by the scales in place when it wrote them). So does an engine prefill
+        # kernel (SGLang's FA3), which holds them there: written above, or by the model itself
+        # where it passes save_kv_cache=False.
+        delegated = self.attentions[self._layer_kind[layer.layer_id]].prefill_kernel is not None
+        from_cache = (k is None or meta.decode_rows or delegated
+                      or (save_kv_cache and (self.deterministic or self.fp8)))
         k_new = None if from_cache else k.reshape(-1, self.num_kv_heads, d)[:n]
         v_new = None if from_cache else v.reshape(-1, self.num_kv_heads, d)[:n]
         self._run(layer, meta, q3[:n], k_cache, v_cache, out3[:n], k_new, v_new, kwargs.get("sinks"))
@@ -602,10 +606,6 @@ class EvenKVAttnBackend(AttentionBackend):
 
     def _run(self, layer, meta: ForwardMetadata, q, k_cache, v_cache, out, k_new, v_new, sinks) -> None:
         kind = self._layer_kind[layer.layer_id]
-        if self.attentions[kind].prefill_kernel is not None:
-            # The engine's prefill kernel reads the new tokens from the cache, which holds them:
-            # written above, or by the model itself where it passes save_kv_cache=False.
-            k_new = v_new = None
         scales = {}
         if self.fp8:
             scales = dict(k_scale=float(layer.k_scale_float or 1.0), v_scale=float(layer.v_scale_float or 1.0))
