@@ -42,7 +42,9 @@ Modes:
                ``method="draft_model"``, SGLang ``STANDALONE`` with K steps in a chain): the
                drafts, greedy from the same weights, are mostly accepted, so every verify row
                counts; SGLang's draft attention backend is left for evenkv's plugin to name,
-               unless --draft-attention names it for evenkv's run.
+               unless --draft-attention names it for evenkv's run. With --spec-breadth B > 1
+               (SGLang) the drafts form trees: B branches a step (EAGLE's topk), K + 2 draft
+               tokens verified a step.
 
 Decode step time: vLLM, each ``LLMEngine.step()`` in which every running request was
 already decoding (wall clock, synchronous scheduling, no prefix caching). SGLang (whose
@@ -95,7 +97,8 @@ def parse_args(argv=None):
                     help="--spec-draft, SGLang: the draft model's attention backend in evenkv's run "
                          "(--speculative-draft-attention-backend; default: unnamed)")
     ap.add_argument("--spec-breadth", type=int, default=1,
-                    help="--spec-ngram, SGLang: the n-gram draft tree's breadth (1: a chain; more: branching trees)")
+                    help="SGLang: the draft tree's breadth (1: a chain; more: branching trees); --spec-ngram: "
+                         "the n-gram tree's widest level, --spec-draft: branches a draft step (topk)")
     ap.add_argument("--skewed", action="store_true", help="decode step time, one long prompt beside short ones")
     ap.add_argument("--prompt-lens", default="7,100,1000,3000,13,333",
                     help="comma-separated prompt lengths of the generation workload")
@@ -304,11 +307,12 @@ def sglang_engine(a, backend: str, max_model_len: int, max_num_seqs: int, max_ba
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=a.spec_ngram + 1,
                   speculative_ngram_min_bfs_breadth=1, speculative_ngram_max_bfs_breadth=a.spec_breadth)
     elif a.spec_draft:
-        # A chain of K drafts from the model itself; the draft's attention backend is left unnamed,
-        # as an operator switching to evenkv with one flag leaves it.
+        # K drafts from the model itself, a chain or (breadth > 1) a tree whose best K + 1 nodes are
+        # verified; the draft's attention backend is left unnamed, as an operator switching to
+        # evenkv with one flag leaves it.
         kw.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=a.model,
-                  speculative_num_steps=a.spec_draft, speculative_eagle_topk=1,
-                  speculative_num_draft_tokens=a.spec_draft + 1)
+                  speculative_num_steps=a.spec_draft, speculative_eagle_topk=a.spec_breadth,
+                  speculative_num_draft_tokens=a.spec_draft + (1 if a.spec_breadth == 1 else 2))
         if a.draft_attention and backend == BACKENDS["sglang"]["evenkv"]:
             kw["speculative_draft_attention_backend"] = a.draft_attention
     kw.update(extra or {})

@@ -35,6 +35,8 @@
 #           eager: SGLang 0.5.17's draft-graph capture imports its DSA backend, whose deep_gemm the kit lacks
 #   spec-draft-evenkv  the same with --speculative-draft-attention-backend evenkv in evenkv's run: the
 #           draft model's prefill, draft extend and decode steps on evenkv too
+#   spec-draft-tree-evenkv  the same in draft trees (2 branches a step, 5 tokens verified): the draft's
+#           decode steps run B x 2 rows over branch-scattered slots, verify rows carry tree masks
 #   openai  the operator's path (tests/e2e/openai_server.py): `python -m sglang.launch_server
 #           --attention-backend evenkv` with a tokenizer built here, 256 requests 32 at a time on
 #           /v1/completions and /v1/chat/completions, streamed and not, evenkv's kernel line in the log,
@@ -167,10 +169,13 @@ for s in ${@:-checks skew pytest}; do
       --graphs 0 --compare --spec-draft 3 --baseline default ;;
     spec-draft-evenkv) model && run_step spec-draft-evenkv 330 150 python3 "$ROOT/tests/e2e/compare.py" "$MODEL" \
       --engine sglang --graphs 0 --compare --spec-draft 3 --draft-attention evenkv --baseline default ;;
+    spec-draft-tree-evenkv) model && run_step spec-draft-tree-evenkv 330 150 python3 "$ROOT/tests/e2e/compare.py" \
+      "$MODEL" --engine sglang --graphs 0 --compare --spec-draft 3 --spec-breadth 2 --draft-attention evenkv \
+      --baseline default ;;
     openai) model && run_step openai 300 120 python3 "$ROOT/tests/e2e/openai_server.py" "$MODEL" --engine sglang \
       --log "$L/openai-server.log" ;;
     *) echo "unknown step $s (checks | skew | pytest | fp8 | swa | swa-spec-tree | server | invariance | invariance-default |" \
-         "spec-ngram | spec-ngram-p16 | spec-draft | spec-draft-evenkv | openai)"; exit 2 ;;
+         "spec-ngram | spec-ngram-p16 | spec-draft | spec-draft-evenkv | spec-draft-tree-evenkv | openai)"; exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - T0))s; RESULT lines in $RES"
