@@ -152,8 +152,8 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
             if value != 1.0:
                 raise ValueError(f"{name}: expected 1.0 for a {k_cache.dtype} cache (scales dequantize FP8 caches), "
                                  f"got {value}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q: expected Hq a multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"q: expected Hq a positive multiple of Hkv={num_kv_heads} (k_cache), got Hq={num_q_heads}")
     sinks = check_sinks(sinks, num_q_heads, dev)
     batch = check_batch_metadata(seq_lens, page_table, dev, cu_seqlens_q, cu_required=True)
     if isinstance(max_q_len, bool) or not isinstance(max_q_len, int):

@@ -441,6 +441,8 @@ def _bad_cases():
         ("v-shape", lambda a: a.update(v_cache=a["v_cache"][:-1]), ValueError, "v_cache"),
         ("k-head-dim", lambda a: a.update(k_cache=a["k_cache"][..., :32]), ValueError, "k_cache"),
         ("heads-not-multiple", lambda a: a.update(q=f16(torch.zeros(a["q"].shape[0], 3, 64))), ValueError, "Hq"),
+        ("no-q-heads", lambda a: a.update(q=f16(torch.zeros(a["q"].shape[0], 0, 64))), ValueError,
+         "Hq a positive multiple.*got Hq=0"),
         ("k-4d-wrong-page", lambda a: a.update(k_cache=a["k_cache"].view(-1, 8, 2, 64)), ValueError, "k_cache"),
         ("cu-shape", lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"][:-1]), ValueError, "cu_seqlens_q"),
         ("cu-float", lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].float()), TypeError, "cu_seqlens_q"),
