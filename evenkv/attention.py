@@ -25,9 +25,9 @@ from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, PlanRecord, check_attention_layout, check_batch_limits,
-                     check_batch_metadata, check_head_dim, check_kv_caches, check_new_tokens, check_policy, check_tensor,
-                     decode_caches, normalize_logit_cap, normalize_window, output_like, resolve_device,
-                     resolve_kv_dtype, resolve_sm_scale)
+                     check_batch_metadata, check_head_dim, check_kv_caches, check_new_tokens, check_policy,
+                     check_tensor, decode_caches, normalize_logit_cap, normalize_window, output_like,
+                     resolve_device, resolve_kv_dtype, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode_attention import POLICIES, DecodeAttention, DecodePlan
 from .errors import error_flag

@@ -339,7 +339,8 @@ def resolve_device(device, name: str = "device") -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"{name}: expected a torch.device, 'cuda', 'cuda:N' or 'cpu', got {device!r} ({err})") from None
+        raise ValueError(f"{name}: expected a torch.device, 'cuda', 'cuda:N' or 'cpu', "
+                         f"got {device!r} ({err})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{name}: expected a CUDA device that torch can see, got 'cuda' but "
