@@ -189,6 +189,12 @@ def unsupported_reasons(model_runner) -> list[str]:
         reasons.append("MLA models (DeepSeek-style latent attention) are not supported; evenkv is MHA/GQA only")
     if getattr(cfg, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (cross attention) are not supported")
+    # SGLang's Llama 4 argument check covers --attention-backend only, so a decode-only evenkv
+    # would otherwise run the chunked layers (use_irope) over the whole context.
+    chunk = getattr(model_runner, "attention_chunk_size", None)
+    if chunk:
+        reasons.append(f"chunked local attention (attention_chunk_size={chunk}: Llama 4's iRoPE layers) is not "
+                       "supported; evenkv's kernels attend to the whole context or a sliding window")
 
     # Speculative decoding: the target model's verify batches only.
     reasons += _speculative_reasons(model_runner)

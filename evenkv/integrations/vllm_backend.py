@@ -35,6 +35,12 @@ kernels) replays a FULL graph: ``build`` replans on the GPU into the same buffer
 the replay, and the captured kernels read those buffers plus vLLM's persistent block
 table. Mixed steps run the attention eagerly (piecewise graphs or none).
 
+Chunked-local layers (Llama 4's ``ChunkedLocalAttention``): vLLM wraps this backend
+(``create_chunked_local_attention_backend``) in a builder subclass that declares no CUDA graphs
+(the layers run eagerly) and hands ``build`` a virtual batch, one request per (request, chunk of
+its query), each with its chunk's block table and length: evenkv plans it as any batch, its plan
+buffers sized for the most virtual requests a step can make.
+
 Start-up: the first call of each layer that holds the real tensors (vLLM's warm-up and
 dummy runs, before it serves) compiles every kernel variant a later batch can launch,
 for vLLM's int32 lengths (``Attention.warmup``), once per layer kind and builder.
@@ -353,6 +359,20 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
             raise ValueError(f"{POLICY_ENV}: expected one of {POLICIES}, got {policy!r}")
         self.page_size = kv_cache_spec.block_size
         self.max_pages = -(-model_config.max_model_len // self.page_size)
+        scheduler = vllm_config.scheduler_config
+        max_batch_size = scheduler.max_num_seqs
+        chunk = getattr(kv_cache_spec, "attention_chunk_size", None)
+        if chunk:
+            # Chunked-local layers (Llama 4): vLLM's wrapper (create_chunked_local_attention_backend)
+            # subclasses this builder and plans make_local_attention_virtual_batches' batch, one
+            # virtual request per (request, chunk of C tokens its query touches). q >= 1 query
+            # tokens cross at most ceil((q - 1) / C) chunk boundaries: at most 2 + q // C virtual
+            # requests (a padding request, q = 0: one), so a step of at most max_num_seqs requests
+            # and max_num_batched_tokens tokens makes at most 2 * max_num_seqs + tokens // C. The
+            # spec also carries C for the full layers of a group vLLM merged (hybrid KV cache manager
+            # off): they only get the larger bound. The page bound holds as it is: a local block
+            # table has C / page_size columns, of which the first max_pages hold every key.
+            max_batch_size = 2 * scheduler.max_num_seqs + scheduler.max_num_batched_tokens // chunk
         # vLLM allocates an FP8 cache as uint8 (the backend admits e4m3 only).
         fp8 = kv_cache_spec.dtype in (torch.uint8, torch.float8_e4m3fn)
         dtype = model_config.dtype if fp8 else kv_cache_spec.dtype  # a 16-bit cache is in the model dtype
@@ -370,7 +390,7 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         for kind, impls in layer_kinds(vllm_config, layer_names).items():
             attention = Attention(
                 num_q_heads, kv_cache_spec.num_kv_heads, head_size, self.page_size, dtype, device,
-                max_batch_size=vllm_config.scheduler_config.max_num_seqs, max_pages_per_request=self.max_pages,
+                max_batch_size=max_batch_size, max_pages_per_request=self.max_pages,
                 policy=policy, sliding_window=kind.window, logit_cap=kind.logit_cap,
                 kv_dtype=torch.float8_e4m3fn if fp8 else None,
                 prefill_kernel=prefill if prefill is not None and (not kind.sinks or prefill.takes_sinks(num_q_heads))
@@ -403,7 +423,9 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
                                 f"the kernels for it), got {tensor.dtype}")
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
             cam, decode_threshold=self.reorder_batch_threshold)
-        decode_q_len, decode_tokens = self._decode_rows(cam, num_decodes, num_prefills)
+        # Host ints: vLLM's chunked-local wrapper passes numpy ones.
+        max_q_len, max_seq_len = int(cam.max_query_len), int(cam.max_seq_len)
+        decode_q_len, decode_tokens = self._decode_rows(cam, num_decodes, num_prefills, max_q_len)
         if decode_q_len == 1:
             # Plain decode rows: request b's query is q row b. Rows of q_len 0 only pad a batch
             # (vLLM puts them last, seq_len 0); should they ever outnumber the decode tokens,
@@ -413,11 +435,11 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
         # Columns past max_model_len can hold no token of a request.
         block_table = cam.block_table_tensor[:, :self.max_pages]
         plans = {kind: (attention, attention.plan(cam.query_start_loc, cam.seq_lens, block_table,
-                                                  num_decodes=num_decodes, max_q_len=cam.max_query_len,
-                                                  max_seq_len=cam.max_seq_len, decode_q_len=decode_q_len, **rows))
+                                                  num_decodes=num_decodes, max_q_len=max_q_len,
+                                                  max_seq_len=max_seq_len, decode_q_len=decode_q_len, **rows))
                  for kind, attention in self.attentions.items()}
         return EvenKVMetadata(
-            num_actual_tokens=cam.num_actual_tokens, max_query_len=cam.max_query_len, max_seq_len=cam.max_seq_len,
+            num_actual_tokens=cam.num_actual_tokens, max_query_len=max_q_len, max_seq_len=max_seq_len,
             num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens, decode_q_len=decode_q_len, query_start_loc=cam.query_start_loc,
             seq_lens=cam.seq_lens, block_table=block_table, slot_mapping=cam.slot_mapping, plans=plans)
@@ -444,15 +466,16 @@ class EvenKVMetadataBuilder(AttentionMetadataBuilder[EvenKVMetadata]):
                     impl._warm_up([attention], query, cache, torch.empty_like(query))
         self._warmed_up = all(attention.warmed_up for attention in self.attentions.values())
 
-    def _decode_rows(self, cam: CommonAttentionMetadata, num_decodes: int, num_prefills: int) -> tuple[int, int]:
+    def _decode_rows(self, cam: CommonAttentionMetadata, num_decodes: int, num_prefills: int,
+                     max_q_len: int) -> tuple[int, int]:
         """(the most query tokens of one of the first num_decodes requests, their query tokens),
         from the host query_start_loc: no sync. Without verify rows (reorder threshold 1), (1,
-        num_decodes) with nothing read."""
+        num_decodes) with nothing read. max_q_len: the batch's, as a host int."""
         if self.reorder_batch_threshold == 1 or num_decodes == 0:
             return 1, num_decodes
         starts = cam.query_start_loc_cpu[:num_decodes + 1]
         if num_prefills == 0:  # every request is a decode row: vLLM's host bound serves
-            q_len = min(cam.max_query_len, self.reorder_batch_threshold)
+            q_len = min(max_q_len, self.reorder_batch_threshold)
         else:
             q_len = int((starts[1:] - starts[:-1]).max())
         return max(q_len, 1), int(starts[-1])

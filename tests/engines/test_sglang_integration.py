@@ -461,6 +461,8 @@ def test_policy_from_environment(lane, monkeypatch):
     (dict(use_mla_backend=True), "MLA"),
     (dict(page_size=3), "page size 3"),
     (dict(is_draft_worker=True), "a draft model under speculative algorithm None"),
+    # Llama 4: SGLang sets it from the model config; its own check misses a decode-only evenkv.
+    (dict(attention_chunk_size=8192), "chunked local attention"),
 ])
 def test_refuses_unsupported_runner(lane, overrides, fragment):
     world = World(1, *lane)

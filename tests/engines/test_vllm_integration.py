@@ -574,9 +574,14 @@ def _assert_cache_holds(batch):
 
 
 def _assert_matches_reference(batch, output, sm_scale=None, **terms):
+    _assert_within_tolerance(batch, output, batch.reference(sm_scale=sm_scale, **terms),
+                             batch.reference(compute_dtype=batch.query.dtype, sm_scale=sm_scale, **terms))
+
+
+def _assert_within_tolerance(batch, output, ref, lowp):
+    """output within 2x the error of torch's own low-precision baseline ``lowp`` (+ the floor) of the
+    fp32 ``ref``, on the step's query rows; rows past them (padding tokens) not written."""
     real = int(batch.cam.query_start_loc_cpu[-1])
-    ref = batch.reference(sm_scale=sm_scale, **terms)
-    lowp = batch.reference(compute_dtype=batch.query.dtype, sm_scale=sm_scale, **terms)
     err = (output[:real].float() - ref[:real]).abs().max().item()
     base = (lowp[:real].float() - ref[:real]).abs().max().item()
     bound = 2 * base + TOLERANCE_FLOOR[batch.query.dtype]
@@ -932,6 +937,133 @@ def test_builder_refuses_other_index_dtypes(builder, device):
     cam.seq_lens = cam.seq_lens.long()
     with pytest.raises(TypeError, match="seq_lens: expected vLLM's torch.int32"):
         builder.build(0, cam)
+
+
+# -- chunked-local attention (Llama 4): vLLM's wrapper around this backend -----------------------
+
+CHUNK = 32  # C: a multiple of BLOCK, as vLLM requires
+
+
+def chunked_local_builder(config, device, monkeypatch, chunk=CHUNK):
+    """The builder of a chunked-local layer, made as vLLM's ChunkedLocalAttention makes it: this
+    backend wrapped by ``create_chunked_local_attention_backend`` (a builder subclass that plans
+    ``make_local_attention_virtual_batches``' batch, CUDA graphs NEVER), on the layer's
+    ``ChunkedLocalAttentionSpec``."""
+    import vllm.utils.torch_utils
+    from vllm.model_executor.layers.attention.chunked_local_attention import create_chunked_local_attention_backend
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    # vLLM stages the virtual batch in pinned host memory, which a CPU torch lacks.
+    monkeypatch.setattr(vllm.utils.torch_utils, "PIN_MEMORY", torch.cuda.is_available())
+    backend = create_chunked_local_attention_backend(EvenKVBackend, chunk)
+    spec = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16,
+                                     attention_chunk_size=chunk)
+    builder = backend.get_builder_cls()(spec, ["model.layers.0.self_attn.attn"], config, device)
+    assert isinstance(builder, EvenKVMetadataBuilder) and type(builder) is not EvenKVMetadataBuilder
+    return builder
+
+
+def chunked_local_reference(batch, chunk, compute_dtype=torch.float32):
+    """Chunked-local attention over the test's slot caches and the step's own block table: the
+    query at absolute position p of a request sees that request's keys at [p // C * C, p]."""
+    c, q = batch.cam, batch.query
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    cu = c.query_start_loc_cpu.tolist()
+    group = q.shape[1] // batch.ref_k.shape[1]
+    for r, seq_len in enumerate(c.seq_lens.tolist()):
+        q_len = cu[r + 1] - cu[r]
+        for i in range(q_len):
+            p = seq_len - q_len + i
+            pos = torch.arange(p // chunk * chunk, p + 1, device=q.device)
+            slots = c.block_table_tensor[r, pos // BLOCK].long() * BLOCK + pos % BLOCK
+            k = batch.ref_k[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
+            v = batch.ref_v[slots].to(compute_dtype).repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[cu[r] + i].to(compute_dtype), k) * D ** -0.5
+            out[cu[r] + i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+def _chunked_local_step(builder, batch):
+    """_run_step, with no bad batch data flagged by the kernels (a virtual request is an ordinary one)."""
+    from evenkv import errors
+
+    device = batch.query.device
+    errors.check_errors(device)
+    md, output = _run_step(builder, EvenKVImpl(HQ, D, D ** -0.5, HKV), batch)
+    assert errors.peek(device) == []
+    return md, output
+
+
+def _assert_matches_chunked_local(batch, output, chunk=CHUNK):
+    _assert_within_tolerance(batch, output, chunked_local_reference(batch, chunk),
+                             chunked_local_reference(batch, chunk, batch.query.dtype))
+
+
+def test_chunked_local_builder_is_sized_for_virtual_batches(vllm_config, device, monkeypatch):
+    """vLLM's wrapper declares no CUDA graphs (the layers run eagerly); the plan takes the most
+    virtual requests a step can make: 2 per request plus one per C batched tokens."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    builder = chunked_local_builder(vllm_config, device, monkeypatch)
+    assert type(builder).get_cudagraph_support(vllm_config, builder.kv_cache_spec) is AttentionCGSupport.NEVER
+    scheduler = vllm_config.scheduler_config
+    assert attention_of(builder).max_batch_size == 2 * MAX_NUM_SEQS + scheduler.max_num_batched_tokens // CHUNK
+    assert attention_of(builder).max_pages_per_request == MAX_MODEL_LEN // BLOCK
+
+
+CHUNKED_LOCAL = {
+    # decode rows whose context crosses two chunk boundaries, one (the query the first token of
+    # its chunk), one (the last token); a chunked prefill whose first virtual request is one
+    # token (a decode row); a chunked prefill across a boundary; a fresh prefill longer than C;
+    # 3 padding tokens. 9 virtual requests.
+    "mixed": ([1, 1, 1, 6, 10, 45], [70, 33, 64, 37, 40, 45], 67),
+    # decode rows only, in chunks 1, 0, 3, 0 (its last token) and 6; 3 padding tokens
+    "decode_only": ([1, 1, 1, 1, 1], [33, 1, 100, 32, 200], 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_LOCAL))
+def test_chunked_local_forward_matches_reference(vllm_config, device, monkeypatch, case):
+    """A step through vLLM's wrapper (its virtual batch) and the impl's forward on a real cache,
+    against chunked-local attention computed from the original block table."""
+    q_lens, seq_lens, num_tokens = CHUNKED_LOCAL[case]
+    builder = chunked_local_builder(vllm_config, device, monkeypatch)
+    batch = MixedBatch(q_lens, seq_lens, torch.bfloat16, device, num_tokens=num_tokens, seed=len(q_lens))
+    md, output = _chunked_local_step(builder, batch)
+    (_, plan), = md.plans.values()
+    assert plan.batch_size == sum(1 + (s - 1) // CHUNK - (s - q) // CHUNK for q, s in zip(q_lens, seq_lens))
+    _assert_cache_holds(batch)
+    _assert_matches_chunked_local(batch, output)
+    # The reference with one chunk past every position is full causal attention.
+    assert torch.allclose(chunked_local_reference(batch, MAX_MODEL_LEN), batch.reference(), atol=1e-5)
+
+
+def test_chunked_local_virtual_requests_past_max_num_seqs(vllm_config, device, monkeypatch):
+    """MAX_NUM_SEQS requests whose queries cross chunk boundaries (C = 16) make 17 virtual
+    requests, more than max_num_seqs: one plan, every row right."""
+    q_lens, seq_lens = [2] * 6 + [20, 40], [17] * 6 + [40, 40]
+    builder = chunked_local_builder(vllm_config, device, monkeypatch, chunk=16)
+    batch = MixedBatch(q_lens, seq_lens, torch.bfloat16, device, seed=17)
+    md, output = _chunked_local_step(builder, batch)
+    (_, plan), = md.plans.values()
+    assert len(q_lens) == MAX_NUM_SEQS and plan.batch_size == 17
+    _assert_matches_chunked_local(batch, output, chunk=16)
+
+
+def test_chunked_local_verify_rows_split_at_chunk_boundaries(ngram_config, device, monkeypatch):
+    """Speculative decoding (n-gram, 3 draft tokens): a verify row across a chunk boundary becomes
+    two shorter verify rows, still decode rows; with a prefill after them, and alone."""
+    builder = chunked_local_builder(ngram_config, device, monkeypatch)
+    batch = MixedBatch([4, 4, 4, 1, 40], [34, 66, 20, 97, 50], torch.bfloat16, device, num_tokens=56, seed=19)
+    md, output = _chunked_local_step(builder, batch)
+    # Virtual requests: 2 + 2, 2 + 2, 4, 1 (decode rows), then 22 + 18.
+    assert (md.num_decodes, md.decode_q_len, md.num_prefills) == (6, 4, 2)
+    _assert_matches_chunked_local(batch, output)
+    batch = MixedBatch([4, 4, 3], [34, 8, 65], torch.bfloat16, device, seed=20)
+    md, output = _chunked_local_step(builder, batch)
+    # 2 + 2, 4, 2 + 1: verify rows only.
+    assert (md.num_decodes, md.decode_q_len, md.num_prefills) == (5, 4, 0)
+    _assert_matches_chunked_local(batch, output)
 
 
 # -- tensor parallelism: each rank's share of the heads --------------------------------------
