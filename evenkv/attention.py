@@ -26,10 +26,10 @@ from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, PlanRecord, check_attention_layout, check_batch_limits,
                      check_batch_metadata, check_head_dim, check_kv_caches, check_new_tokens, check_policy,
-                     check_tensor, decode_caches, normalize_logit_cap, normalize_window, output_like,
-                     resolve_device, resolve_kv_dtype, resolve_sm_scale)
+                     check_positive_int, check_tensor, decode_caches, normalize_logit_cap, normalize_window,
+                     output_like, resolve_device, resolve_kv_dtype, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
-from .decode_attention import POLICIES, DecodeAttention, DecodePlan
+from .decode_attention import POLICIES, DecodeAttention, DecodePlan, check_max_q_len, check_pages
 from .errors import error_flag
 from .extend_attention import SCHEDULES, check_lengths_on_host, run_extend
 from .planning import ExtendPlan, plan_extend
@@ -179,6 +179,8 @@ class Attention:
         self.arch = resolve_arch(arch, self.device)
         self._extend_config = extend_config
         self.debug = debug_enabled(debug)
+        check_positive_int("max_decode_q_len", max_decode_q_len)
+        check_max_q_len(max_decode_q_len, self.group_size, head_dim, self.arch, name="max_decode_q_len")
         self.decode = DecodeAttention(
             num_q_heads, num_kv_heads, head_dim, page_size, dtype, self.device, max_batch_size,
             max_pages_per_request, policy, sm_scale=self.sm_scale, arch=self.arch, debug=debug,
@@ -203,7 +205,7 @@ class Attention:
         self._plan: AttentionPlan | None = None
         self._plans = PlanRecord("Attention")
         self.warmed_up = False  # set by warmup()
-        self._audit_pending = False
+        self._audited_pages = None  # the cache size the latest plan's page ids were audited against
         self._errors = error_flag(self.device)
         self._audit_grid = sm_count(self.device)
 
@@ -336,7 +338,9 @@ class Attention:
                                         or max_seq_len < 1):
             raise ValueError(f"max_seq_len: expected None or a host int >= 1 (>= every seq_len), got {max_seq_len!r}")
         num_decode_tokens = self._decode_tokens(num_decodes, decode_q_len, num_decode_tokens)
-        if isinstance(tree_mask, torch.Tensor) and tree_mask.shape[0] < num_decode_tokens:
+        if seq_lens_cpu is not None:
+            check_tensor("seq_lens_cpu", seq_lens_cpu, shape=(batch,), dtypes=INDEX_DTYPES, device=torch.device("cpu"))
+        if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 1 and tree_mask.shape[0] < num_decode_tokens:
             raise ValueError(f"tree_mask: expected an entry for each of the num_decode_tokens={num_decode_tokens} "
                              f"decode query rows, got shape {tuple(tree_mask.shape)}")
         if self.debug and decode_q_len == 1:
@@ -345,7 +349,9 @@ class Attention:
                 raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
                                  f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
         cu32 = self._cu[:batch + 1]
-        cu32.copy_(cu_seqlens_q)
+        # An int64 offset past int32 must not wrap into a well-formed row: clamped, the plan flags it.
+        cu32.copy_(cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else
+                   cu_seqlens_q.clamp(-1, torch.iinfo(torch.int32).max))
         use_decode = num_decodes > 0
         decode_plan = None
         if use_decode:
@@ -364,7 +370,8 @@ class Attention:
             delegated = DelegatedExtend(num_decode_tokens, self._cu_extend[:rows + 1], self._lens_extend[:rows],
                                         page_table[req_begin:], max(max_q_len, 1), bound)
         elif req_begin < batch:
-            q_bound = max(max_q_len, 1 if num_decodes else 0)
+            # Planned for one token at least, so a longer range is flagged, never skipped (as ``extend``).
+            q_bound = max(max_q_len, 1)
             config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
             extend_plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=self.page_size,
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
@@ -372,7 +379,7 @@ class Attention:
                                       sorted_start=self._sorted_start)
         self._plan = self._plans.add(AttentionPlan(batch, num_decodes, num_decode_tokens, decode_plan, extend_plan,
                                                    delegated, seq_lens, page_table, cu32))
-        self._audit_pending = True
+        self._audited_pages = None
         self._guarded = None
         return self._plan
 
@@ -384,7 +391,8 @@ class Attention:
                                               or not isinstance(num_decode_tokens, int)):
             raise TypeError(f"num_decode_tokens: expected a host int, got {type(num_decode_tokens).__name__}")
         if not 1 <= decode_q_len <= self.max_decode_q_len:
-            raise ValueError(f"decode_q_len: expected 1 to max_decode_q_len={self.max_decode_q_len}, got {decode_q_len}")
+            raise ValueError(f"decode_q_len: expected 1 to max_decode_q_len={self.max_decode_q_len}, "
+                             f"got {decode_q_len}")
         if num_decode_tokens is None:
             if decode_q_len > 1 and num_decodes > 0:
                 raise ValueError(f"num_decode_tokens: decode rows of up to decode_q_len={decode_q_len} tokens need "
@@ -426,18 +434,27 @@ class Attention:
                              "prefill kernel), which reads the new tokens' K/V from the cache: write them there and "
                              "pass None")
         terms = self.decode.layer_terms(sm_scale, sinks, k_scale, v_scale)
-        out = output_like(q, out)
+        out = output_like(q, out, (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)))
         if plan.batch_size == 0 or total_q == 0:
             return out
         ext = plan.extend
         if self.debug and ext is not None:
             check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
                                   capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
-        if self._audit_pending:
+        if self.debug:
+            # The engine's prefill kernel may load keys before a window (it masks them), so its rows'
+            # pages are checked whole.
+            q_lens = (plan.cu_seqlens_q[1:] - plan.cu_seqlens_q[:-1]).clamp(min=1)
+            for rows, window in ((slice(0, plan.num_decodes), self.sliding_window),
+                                 (slice(plan.num_decodes, None), None if plan.delegated else self.sliding_window)):
+                check_pages(plan.page_table[rows], plan.seq_lens[rows], self.page_size, k_cache.shape[0], window,
+                            q_lens[rows])
+        if self._audited_pages != k_cache.shape[0]:  # once per plan and cache size
             plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
                                            k_cache.shape[0], self.page_size, self._audit_grid, self.max_batch_size)
-            self._audit_pending = False
+            self._audited_pages = k_cache.shape[0]
         if plan.decode is not None:
+            self.decode.check_plan(plan.decode)  # planning on ``self.decode`` directly would overwrite it
             nd = plan.num_decode_tokens
             self.decode.run_unchecked(plan.decode, q[:nd], k_cache, v_cache, out[:nd], terms)
         if ext is not None:
@@ -463,7 +480,7 @@ class Attention:
         ``num_pages``, given no keys, each flagged in the
         error flag (``guard_prefill_rows_kernel``). The audit here checks every entry below a
         request's length, window or not: the prefill kernel may load keys before a window it
-        then masks. Once per plan and q size."""
+        then masks. Once per plan, q size and cache size."""
         d, begin = plan.delegated, plan.num_decodes
         rows = plan.batch_size - begin
         capacity = min(d.page_table.shape[1] * self.page_size, d.max_seq_len)

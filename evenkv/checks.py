@@ -50,15 +50,73 @@ def check_tensor(name: str, value, *, shape: tuple | None = None, dtypes: tuple 
     return value
 
 
-def output_like(q: torch.Tensor, out) -> torch.Tensor:
+def output_like(q: torch.Tensor, out, reads: tuple = ()) -> torch.Tensor:
     """``out`` checked to match the (already checked) ``q``: same shape, dtype and device,
-    unit stride in the last dim; a new tensor like q when ``out`` is None."""
+    unit stride in the last dim, and sharing no element with q (unless it is q itself, a
+    computation in place) nor with the other tensors the kernels read (``reads``: (name,
+    tensor or None) pairs); a new tensor like q when ``out`` is None."""
     if out is None:
         return torch.empty_like(q)
     check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device, last_dim_contiguous=True)
     if not out.is_contiguous():  # a contiguous tensor's elements are distinct
         check_distinct_elements("out", out)
+    if not (out.data_ptr() == q.data_ptr() and out.stride() == q.stride()):
+        check_no_shared_elements("out", out, "q", q)
+    for name, read in reads:
+        if read is not None:
+            check_no_shared_elements("out", out, name, read)
     return out
+
+
+def check_no_shared_elements(written_name: str, written: torch.Tensor, read_name: str, read: torch.Tensor) -> None:
+    """A tensor the kernels write must share no element with another they read or write (they
+    would read values already overwritten, or write one element twice). Views of one buffer
+    pass when they provably share none: their byte ranges are apart, or (same shape and
+    strides) their offset is no difference of two indices, as for the K and V halves of
+    vLLM's cache. Views the test cannot separate are refused, named."""
+    if (written.numel() == 0 or read.numel() == 0
+            or written.untyped_storage().data_ptr() != read.untyped_storage().data_ptr()):
+        return
+    if _may_share_elements(written, read):
+        raise ValueError(f"{written_name}, {read_name}: expected no element in common ({written_name} is written while "
+                         f"{read_name} is in use), got views of one buffer at {written.data_ptr():#x} (shape "
+                         f"{tuple(written.shape)}, strides {written.stride()}) and {read.data_ptr():#x} (shape "
+                         f"{tuple(read.shape)}, strides {read.stride()})")
+
+
+def _may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether views a and b of one buffer may share an element (False only when provably not)."""
+    def byte_range(t):
+        return t.data_ptr(), t.data_ptr() + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * \
+            t.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = byte_range(a), byte_range(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    size = a.element_size()
+    delta, misaligned = divmod(b.data_ptr() - a.data_ptr(), size)
+    if a.shape != b.shape or a.stride() != b.stride() or size != b.element_size() or misaligned:
+        return True
+    # Equal layouts share an element iff delta = sum_i c_i * stride_i with |c_i| < size_i. Taken by
+    # decreasing stride, c_i must leave a remainder the smaller dims can still reach.
+    dims = sorted(((s, n) for s, n in zip(a.stride(), a.shape) if n > 1 and s > 0), reverse=True)
+    reach = [0] * (len(dims) + 1)
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + dims[i][0] * (dims[i][1] - 1)
+    budget = [10_000]  # candidate digits tried before giving up (and refusing)
+
+    def representable(i: int, rest: int) -> bool:
+        if i == len(dims):
+            return rest == 0
+        stride, n = dims[i]
+        lo, hi = max(-(n - 1), -((reach[i + 1] - rest) // stride)), min(n - 1, (rest + reach[i + 1]) // stride)
+        for digit in range(lo, hi + 1):
+            budget[0] -= 1
+            if budget[0] < 0 or representable(i + 1, rest - digit * stride):
+                return True
+        return False
+
+    return representable(0, delta)
 
 
 def check_new_tokens(k_new, v_new, rows: int | None, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -156,7 +156,7 @@ class DecodeAttention:
         self._row_per_request = torch.arange(max_batch_size + 1, **i32)
         self._no_tree = torch.zeros(1, **i32)
         self._errors = error_flag(self.device)
-        self._audit_pending = False
+        self._audited_pages = None  # the cache size the latest plan's page ids were audited against
         self.warmed_up = False  # set by warmup()
         # Each q-length bucket's (config, grid) and, where the table has one, its many-segments
         # row and grid for batches of many short segments (see launch_config).
@@ -510,7 +510,7 @@ class DecodeAttention:
         query = self._query(bucket, tree)
         self._plan = self._plans.add(DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
                                                 tree_mask if tree else self._no_tree, query, q_len))
-        self._audit_pending = True
+        self._audited_pages = None
         return self._plan
 
     # -- run --------------------------------------------------------------------
@@ -544,12 +544,14 @@ class DecodeAttention:
         if plan.tree_mask is not self._no_tree and plan.tree_mask.shape[0] < q.shape[0]:
             raise ValueError(f"tree_mask: expected an entry for each of q's {q.shape[0]} rows, got shape "
                              f"{tuple(plan.tree_mask.shape)}")
-        out = output_like(q, out)
+        out = output_like(q, out, (("k_cache", k_cache), ("v_cache", v_cache)))
         if b == 0 or q.shape[0] == 0:
             return out
         if self.debug:
-            check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0], self.sliding_window)
-        if self._audit_pending:
+            cu = plan.cu_seqlens_q
+            check_pages(plan.page_table, plan.seq_lens, self.page_size, k_cache.shape[0], self.sliding_window,
+                        (cu[1:] - cu[:-1]).clamp(min=1))
+        if self._audited_pages != k_cache.shape[0]:
             self.audit_pages(plan, k_cache.shape[0])
         return self.run_unchecked(plan, q, k_cache, v_cache, out, terms)
 
@@ -566,12 +568,12 @@ class DecodeAttention:
         return self._terms(scale, sinks, k_scale, v_scale)
 
     def audit_pages(self, plan: DecodePlan, num_pages: int) -> None:
-        """Once per plan (the first ``run``): flag used page ids outside a cache of ``num_pages``
-        pages in the error flag (the kernels never dereference them)."""
+        """Once per plan and cache size (``run``): flag used page ids outside a cache of
+        ``num_pages`` pages in the error flag (the kernels never dereference them)."""
         plan_launch.launch_audit_pages(plan.seq_lens, plan.cu_seqlens_q, plan.page_table, self._errors,
                                        num_pages, self.page_size, self.num_sms, self.max_batch_size,
                                        self.sliding_window or 0)
-        self._audit_pending = False
+        self._audited_pages = num_pages
 
     def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, terms: launch.LayerTerms) -> torch.Tensor:
         """``run`` after its checks and the page audit (``evenkv.Attention`` calls this)."""
@@ -610,16 +612,17 @@ class DecodeAttention:
         self._plans.check(plan, DecodePlan, self._plan)
 
 
-def check_max_q_len(max_q_len: int, group_size: int, head_dim: int, arch: str) -> None:
+def check_max_q_len(max_q_len: int, group_size: int, head_dim: int, arch: str, name: str = "max_q_len") -> None:
     """Raise ValueError unless decode rows of up to ``max_q_len`` query tokens (1 + draft tokens)
     fit the decode kernels: at most MAX_DECODE_Q_LEN, and G x max_q_len tile rows within what a
-    ``head_dim`` tile takes on ``arch`` (``configs.max_tile_rows``)."""
+    ``head_dim`` tile takes on ``arch`` (``configs.max_tile_rows``); ``name``: the caller's
+    argument."""
     if max_q_len > MAX_DECODE_Q_LEN:
-        raise ValueError(f"max_q_len: expected 1 to {MAX_DECODE_Q_LEN} query tokens per row, got {max_q_len}")
+        raise ValueError(f"{name}: expected 1 to {MAX_DECODE_Q_LEN} query tokens per row, got {max_q_len}")
     rows, most = launch.tile_rows(group_size, max_q_len), max_tile_rows(arch, head_dim)
     if max_q_len > 1 and rows > most:
-        raise ValueError(f"max_q_len: {max_q_len} query tokens x G={group_size} heads make {rows} tile rows, "
-                         f"past the {most} a head dim {head_dim} tile takes: use max_q_len <= "
+        raise ValueError(f"{name}: {max_q_len} query tokens x G={group_size} heads make {rows} tile rows, "
+                         f"past the {most} a head dim {head_dim} tile takes: use {name} <= "
                          f"{max(1, most // group_size)}")
 
 
@@ -654,11 +657,15 @@ def check_lengths(seq_lens_cpu: torch.Tensor, capacity: int) -> None:
 
 
 def check_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int,
-                sliding_window: int | None = None) -> None:
+                sliding_window: int | None = None, q_lens: torch.Tensor | None = None) -> None:
     """Debug (syncs): every page a request reads ([B, max_pages] table, [B] clamped lengths;
-    with a window only its last W tokens') must lie inside a cache of ``num_pages`` pages."""
+    with a window W only the tokens its first query row sees, from seq_len - q_len + 1 - W for
+    [B] ``q_lens``, default 1) must lie inside a cache of ``num_pages`` pages."""
     entry = torch.arange(page_table.shape[1], device=page_table.device)[None, :]
-    first_tok = (seq_lens - sliding_window).clamp(min=0) if sliding_window else torch.zeros_like(seq_lens)
+    if sliding_window:
+        first_tok = (seq_lens - sliding_window + (0 if q_lens is None else 1 - q_lens)).clamp(min=0)
+    else:
+        first_tok = torch.zeros_like(seq_lens)
     used = (entry < ((seq_lens + page_size - 1) // page_size)[:, None]) & (entry >= (first_tok // page_size)[:, None])
     pages = page_table[used]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
@@ -683,6 +690,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     check_tensor("q", q, shape=(None, None, None), dtypes=SUPPORTED_DTYPES)
     device = resolve_device(q.device, "q")
     check_cache("k_cache", k_cache, page_size=None, dtypes=None, device=device)
+    num_kv_heads = k_cache.shape[-2]
+    if num_kv_heads < 1:
+        raise ValueError(f"k_cache: expected at least one KV head, got shape {tuple(k_cache.shape)}")
+    if q.shape[1] < 1 or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q: expected Hq a positive multiple of Hkv={num_kv_heads} (k_cache), got Hq={q.shape[1]}")
     batch = check_batch_metadata(seq_lens, page_table, device)
     attn = DecodeAttention(q.shape[1], k_cache.shape[-2], q.shape[2], page_size, q.dtype, device,
                            max(batch, 1), max(page_table.shape[1], 1), policy, sm_scale=sm_scale,

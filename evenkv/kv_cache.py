@@ -6,7 +6,7 @@ import torch
 from evenkv.kernels import decode_launch as launch
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, as_pages, check_distinct_elements,
-                     check_kv_caches, check_kv_scale, check_tensor, resolve_device)
+                     check_kv_caches, check_kv_scale, check_no_shared_elements, check_tensor, resolve_device)
 from .configs import debug_enabled
 from .errors import error_flag
 
@@ -27,9 +27,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     dev = check_kv_caches(k_cache, v_cache, page_size=None, dtypes=SUPPORTED_DTYPES + FP8_KV_DTYPES, device=None)
     check_distinct_elements("k_cache", k_cache)
     check_distinct_elements("v_cache", v_cache)
-    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
-        raise ValueError("k_cache, v_cache: expected two caches, got views that start at the same element (V would "
-                         "overwrite K)")
+    check_no_shared_elements("v_cache", v_cache, "k_cache", k_cache)
     k_cache, v_cache = slot_pages(k_cache), slot_pages(v_cache)
     num_pages, page_size, hkv, d = k_cache.shape
     if hkv < 1 or d < 1:

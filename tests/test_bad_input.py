@@ -356,7 +356,67 @@ def test_outputs_and_caches_must_not_alias(device):
                                   max_q_len=1, out=shared), ValueError, "out", "distinct")
     new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
     _raises(lambda: evenkv.write_kv(kc, kc, new, new, torch.tensor([0, 1], device=device)), ValueError,
-            "k_cache, v_cache", "same element")
+            "v_cache, k_cache", "no element in common")
+
+
+def test_outputs_must_not_overlap_what_the_kernels_read(device):
+    """An output that shares elements with q (other than q itself, in place), the caches or the
+    new tokens' K/V would overwrite values a kernel has yet to read; K and V caches that share
+    elements would have one token's V overwrite another's K. Views of one buffer that share
+    none (vLLM's K and V halves of each row) pass."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    buf = torch.zeros(3, 8, 64, dtype=torch.float16, device=device)
+    buf[:2] = q
+    q_view, shifted = buf[:2], buf[1:]  # shifted: one row past q, over q's second row
+    attn = _attn(device)
+    plan = attn.plan(lens, pt)
+    want = attn.run(plan, q, kc, vc)
+    _raises(lambda: attn.run(plan, q_view, kc, vc, out=shifted), ValueError, "out, q", "no element in common")
+    torch.testing.assert_close(attn.run(plan, q_view, kc, vc, out=q_view), want)  # in place
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    _raises(lambda: evenkv.extend(q_view, kc, vc, cu_seqlens_q=cu, seq_lens=lens, page_table=pt, page_size=16,
+                                  max_q_len=1, out=shifted), ValueError, "out, q")
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8)
+    aplan = attention.plan(cu, lens, pt, num_decodes=2, max_q_len=1)
+    _raises(lambda: attention.run(aplan, q_view, kc, vc, out=shifted), ValueError, "out, q")
+    inside_cache = kc.view(-1)[:2 * 8 * 64].view(2, 8, 64)
+    _raises(lambda: attention.run(aplan, q, kc, vc, out=inside_cache), ValueError, "out, k_cache")
+    rows = torch.zeros(32, 2, 2 * 64, dtype=torch.float16, device=device)  # each row: K | V
+    new = torch.randn(2, 2, 64, device=device).half()
+    evenkv.write_kv(rows[..., :64], rows[..., 64:], new, -new, torch.tensor([0, 5], device=device))
+    assert torch.equal(rows[5, :, 64:], -new[1]) and torch.equal(rows[5, :, :64], new[1])
+    flat = torch.zeros(33 * 2 * 64, dtype=torch.float16, device=device)
+    k_over, v_over = flat[:32 * 128].view(32, 2, 64), flat[128:].view(32, 2, 64)  # V's slot 0 is K's slot 1
+    _raises(lambda: evenkv.write_kv(k_over, v_over, new, new, torch.tensor([0, 1], device=device)), ValueError,
+            "v_cache, k_cache", "no element in common")
+
+
+def test_attention_runs_only_its_own_decode_plan(device):
+    """A batch planned on ``Attention.decode`` directly overwrites the decode schedule of the
+    Attention's own plan: running that plan then is refused, not run on the other schedule."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8)
+    plan = attention.plan(torch.arange(3, dtype=torch.int32, device=device), lens, pt, num_decodes=2, max_q_len=1)
+    attention.decode.plan(lens.flip(0).contiguous(), pt)
+    _raises(lambda: attention.run(plan, q, kc, vc), ValueError, "plan", "latest plan")
+
+
+def test_attention_arguments_are_named(device):
+    """Attention's own argument names, not those of the DecodeAttention it builds."""
+    for value, exc, words in ((0, ValueError, ("max_decode_q_len", "0")), (2.0, TypeError, ("max_decode_q_len",)),
+                              (17, ValueError, ("max_decode_q_len", "17"))):
+        _raises(lambda: evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, max_decode_q_len=value), exc,
+                *words)
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, max_decode_q_len=2, tree_masks=True)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+    _raises(lambda: attention.plan(cu, lens + 2, pt, num_decodes=2, max_q_len=1, decode_q_len=2, num_decode_tokens=4,
+                                   tree_mask=torch.tensor(3, dtype=torch.int32, device=device)), ValueError,
+            "tree_mask", "1 dims")
+    _raises(lambda: evenkv.decode(q, kc[:, :0], vc[:, :0], lens, pt, 16), ValueError, "k_cache", "KV head")
+    _raises(lambda: evenkv.decode(q[:, :3], kc, vc, lens, pt, 16), ValueError, "q", "Hkv=2", "Hq=3")
+    _raises(lambda: attention.plan(cu, lens + 2, pt, num_decodes=0, max_q_len=2, seq_lens_cpu=torch.tensor([1.0])),
+            ValueError, "seq_lens_cpu", "[2]")
 
 
 @pytest.mark.parametrize("kw,words", [
