@@ -25,9 +25,10 @@ from evenkv.kernels import extend_launch, plan_launch
 from evenkv.kernels.launching import parallel_compiles
 
 from .checks import (INDEX_DTYPES, PlanRecord, check_attention_layout, check_batch_limits,
-                     check_batch_metadata, check_head_dim, check_kv_caches, check_new_tokens, check_policy,
-                     check_positive_int, check_tensor, decode_caches, normalize_logit_cap, normalize_window,
-                     output_like, resolve_device, resolve_kv_dtype, resolve_sm_scale)
+                     check_batch_metadata, check_head_dim, check_kv_caches, check_new_token_v_scale,
+                     check_new_tokens, check_policy, check_positive_int, check_tensor, decode_caches,
+                     normalize_logit_cap, normalize_window, output_like, resolve_device, resolve_kv_dtype,
+                     resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, env_flag, extend_config, extend_configs, resolve_arch, sm_count
 from .decode_attention import POLICIES, DecodeAttention, DecodePlan, check_max_q_len, check_pages
 from .errors import error_flag
@@ -434,13 +435,15 @@ class Attention:
                              "prefill kernel), which reads the new tokens' K/V from the cache: write them there and "
                              "pass None")
         terms = self.decode.layer_terms(sm_scale, sinks, k_scale, v_scale)
+        check_new_token_v_scale(terms.v_scale, self.dtype, self.kv_dtype, k_new is not None)
         out = output_like(q, out, (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)))
         if plan.batch_size == 0 or total_q == 0:
             return out
         ext = plan.extend
         if self.debug and ext is not None:
             check_lengths_on_host(ext.cu_seqlens_q, ext.seq_lens, max_q_len=ext.max_q_len, total_q=total_q,
-                                  capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin)
+                                  capacity=ext.page_table.shape[1] * self.page_size, req_begin=ext.req_begin,
+                                  has_new=k_new is not None)
         if self.debug:
             # The engine's prefill kernel may load keys before a window (it masks them), so its rows'
             # pages are checked whole.

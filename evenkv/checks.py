@@ -163,6 +163,15 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     return check_fp32_scale("sm_scale", sm_scale)
 
 
+def check_new_token_v_scale(v_scale: float, dtype: torch.dtype, kv_dtype: torch.dtype, has_new: bool) -> None:
+    """Over an FP8 cache the extend kernel accumulates V in stored units, so the new tokens'
+    (k_new / v_new, real values) probabilities enter it as p / v_scale, in q's ``dtype``:
+    1 / v_scale must fit that dtype (fp16: v_scale >= 1 / 65504)."""
+    if has_new and kv_dtype in FP8_KV_DTYPES and v_scale * torch.finfo(dtype).max < 1.0:
+        raise ValueError(f"v_scale: expected >= 1 / {torch.finfo(dtype).max:g} for an FP8 cache with k_new / v_new "
+                         f"and {dtype} queries (1 / v_scale must fit {dtype}), got {v_scale}")
+
+
 def check_fp32_scale(name: str, value: float) -> float:
     """A host float the kernels use as a float32 factor: finite, > 0 and a normal float32."""
     lo, hi = FP32_NORMAL_RANGE

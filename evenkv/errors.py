@@ -36,8 +36,11 @@ REASONS = {
                        "its result is wrong)",
     SLOT_OUT_OF_RANGE: "slot_mapping: a slot >= the KV cache's slots (that token was not written)",
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
-    QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: query rows outside q, longer than max_q_len, or (decode rows) "
-                        "more than their seq_lens (clamped; those rows were not computed)",
+    QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: a query range outside q, longer than max_q_len or (decode rows) "
+                        "than its seq_len, off its row (plain decode) or starting before row 0: that request ran on "
+                        "the rows left inside those bounds (none for a range starting before row 0) and its other "
+                        "rows were not written, so its output is wrong; a range that goes back before an earlier "
+                        "request's rows may also have overwritten them",
     SEQ_LEN_BELOW_Q_LEN: "seq_lens: a length below its request's q_len (seq_lens count the new tokens too; read as "
                          "q_len, so its queries saw only the first q_len positions)",
     INVARIANCE_LOST: "deterministic decode: a batch held more tokens than max_total_tokens (shared prefix pages?); "

@@ -20,9 +20,9 @@ from evenkv.kernels import plan_launch
 from evenkv.kernels import extend_launch as launch
 
 from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, as_pages, check_batch_metadata, check_fp8_capable,
-                     check_head_dim, check_kv_caches, check_kv_scale, check_new_tokens, check_positive_int, check_sinks,
-                     check_tensor, normalize_logit_cap, normalize_window, output_like, resolve_device,
-                     resolve_sm_scale)
+                     check_head_dim, check_kv_caches, check_kv_scale, check_new_token_v_scale, check_new_tokens,
+                     check_positive_int, check_sinks, check_tensor, normalize_logit_cap, normalize_window,
+                     output_like, resolve_device, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
 from .planning import ExtendPlan, plan_extend
 
@@ -50,27 +50,53 @@ def run_extend(plan: ExtendPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 def check_lengths_on_host(cu_seqlens_q, seq_lens, *, max_q_len: int, total_q: int, capacity: int,
-                          req_begin: int = 0) -> None:
-    """Debug-mode data checks (syncs): every rule the kernel relies on but cannot check."""
+                          req_begin: int = 0, has_new: bool = False) -> None:
+    """Debug-mode data checks (syncs): raise ValueError for the batch data the kernels flag in the
+    error flag, and only for it. Requests [0, req_begin) are decode rows (``evenkv.Attention``),
+    the others extend rows; has_new: their new tokens' K/V come as k_new / v_new, so the cache
+    holds only each extend row's prefix and its seq_len may pass capacity by its q_len."""
     cu = cu_seqlens_q.cpu().long()
     lens = seq_lens.cpu().long()
     if cu.numel() == 0:
         return
     q_lens = cu[1:] - cu[:-1]
+    # A range that starts before row 0 or before an earlier range's end is flagged (it may write
+    # another request's rows); a cu that goes back anywhere has such a range.
     if int(cu[0]) < 0 or (q_lens < 0).any():
         raise ValueError(f"cu_seqlens_q: expected a non-decreasing sequence from >= 0, got {cu.tolist()[:16]}")
-    if int(cu[-1]) > total_q:
-        raise ValueError(f"cu_seqlens_q: last entry {int(cu[-1])} exceeds the {total_q} rows of q")
+    past = (q_lens > 0) & (cu[1:] > total_q)
+    if past.any():
+        b = _first(past)
+        raise ValueError(f"cu_seqlens_q: expected every query range inside the {total_q} rows of q, got request "
+                         f"{b}'s rows {int(cu[b])}..{int(cu[b + 1]) - 1}")
     extend_lens = q_lens[req_begin:]
     if extend_lens.numel() and int(extend_lens.max()) > max_q_len:
         raise ValueError(f"max_q_len: expected >= every q length, got {max_q_len} < {int(extend_lens.max())}")
-    if (lens < q_lens).any():
-        b = int(torch.nonzero(lens < q_lens)[0])
+    decode = torch.arange(lens.numel()) < req_begin
+    # A decode row of seq_len 0 is padding (zeros out, whatever its q_len); an extend row's seq_len
+    # is read only if it has query rows.
+    below = torch.where(decode, lens > 0, q_lens > 0) & (lens < q_lens)
+    if below.any():
+        b = _first(below)
         raise ValueError(f"seq_lens: expected seq_lens[b] >= q_len[b] (seq_lens include the new tokens), "
                          f"got seq_lens[{b}]={int(lens[b])} < q_len {int(q_lens[b])}")
-    if lens.numel() and int(lens.max()) > capacity:
-        raise ValueError(f"seq_lens: expected lengths <= page_table capacity {capacity} (max_pages x page_size), "
-                         f"got {int(lens.max())}")
+    # With k_new an extend row's new tokens are not in the cache: only its prefix must fit.
+    bound = capacity + q_lens if has_new else torch.full_like(q_lens, capacity)
+    beyond = torch.where(decode, (lens < 0) | (lens > capacity), (q_lens > 0) & (lens > bound))
+    if beyond.any():
+        b = _first(beyond)
+        if decode[b]:
+            expected = f"in [0, {capacity}], the page_table's capacity (max_pages x page_size)"
+        elif has_new:
+            expected = (f"<= {int(bound[b])}, the page_table's capacity {capacity} (max_pages x page_size) + its "
+                        f"q_len (k_new holds the new tokens)")
+        else:
+            expected = f"<= {capacity}, the page_table's capacity (max_pages x page_size)"
+        raise ValueError(f"seq_lens: expected seq_lens[{b}] {expected}, got {int(lens[b])}")
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask)[0])
 
 
 # -- public API ---------------------------------------------------------------------
@@ -147,6 +173,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
         raise ValueError(f"k_cache: expected at least one KV head, got shape {tuple(k_cache.shape)}")
     check_fp8_capable(k_cache.dtype, dev)
     k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    check_new_token_v_scale(v_scale, q.dtype, k_cache.dtype, k_new is not None)
     if k_cache.dtype not in FP8_KV_DTYPES:
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if value != 1.0:
@@ -181,7 +208,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     max_q_len = max(max_q_len, 1)
     if debug_enabled(debug):
         check_lengths_on_host(cu_seqlens_q, seq_lens, max_q_len=max_q_len, total_q=total_q,
-                              capacity=page_table.shape[1] * page_size)
+                              capacity=page_table.shape[1] * page_size, has_new=k_new is not None)
     group = num_q_heads // num_kv_heads
     if config is None:
         config = extend_config(resolve_arch(arch, dev), head_dim, group, max_q_len)

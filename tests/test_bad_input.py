@@ -491,3 +491,35 @@ def test_host_arguments_are_checked(device):
     new = torch.zeros(2, 0, 64, dtype=torch.float16, device=device)
     _raises(lambda: evenkv.write_kv(empty, empty.clone(), new, new, torch.tensor([0, 1], device=device)), ValueError,
             "k_cache", "KV head")
+
+
+def test_fp8_cache_with_new_tokens_bounds_v_scale_for_fp16(device):
+    """Over an FP8 cache the new tokens' probabilities enter the stored-V accumulator as p /
+    v_scale in q's dtype: below 1 / 65504 that overflows fp16 (NaN out), so it is refused, by
+    extend and Attention alike; bf16 queries, or no k_new, take it."""
+    q, kc, vc, lens, pt = make_paged_batch([20, 3], 8, 2, 64, 16, torch.float16, device)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    new = torch.zeros(2, 2, 64, dtype=torch.float16, device=device)
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    kw = dict(cu_seqlens_q=cu, seq_lens=lens, page_table=pt, page_size=16, max_q_len=1)
+    _raises(lambda: evenkv.extend(q, k8, v8, k_new=new, v_new=new, v_scale=1e-5, **kw), ValueError, "v_scale",
+            "65504", "1e-05")
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, kv_dtype=torch.float8_e4m3fn)
+    plan = attention.plan(cu, lens, pt, num_decodes=0, max_q_len=1)
+    _raises(lambda: attention.run(plan, q, k8, v8, k_new=new, v_new=new, v_scale=1e-5), ValueError, "v_scale")
+    assert torch.isfinite(evenkv.extend(q.bfloat16(), k8, v8, k_new=new.bfloat16(), v_new=new.bfloat16(),
+                                        v_scale=1e-5, **kw)).all()
+    assert torch.isfinite(evenkv.extend(q, k8, v8, v_scale=1e-5, **kw)).all()
+
+
+def test_attention_debug_mode_checks_page_ids(device):
+    """EVENKV_DEBUG: Attention.run refuses a page id outside the cache on the host, for a decode
+    row and for an extend row, as DecodeAttention.run does."""
+    q, kc, vc, lens, pt = make_paged_batch([40, 20], 8, 2, 64, 16, torch.float16, device)
+    attention = evenkv.Attention(8, 2, 64, 16, torch.float16, device, 4, 8, debug=True)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    for row in (0, 1):
+        bad = pt.clone()
+        bad[row, 1] = kc.shape[0] // 16  # one past the last page
+        plan = attention.plan(cu, lens, bad, num_decodes=1, max_q_len=1)
+        _raises(lambda: attention.run(plan, q, kc, vc), ValueError, "page_table", "got")

@@ -505,6 +505,82 @@ def test_debug_checks_lengths():
         extend(*qkv, seq_lens=torch.tensor([7, 500], dtype=torch.int32), max_q_len=3, **args)
 
 
+def _flagged_and_refused(device, run) -> tuple[list, ValueError | None]:
+    """What the kernels flag for ``run(debug=False)``, and the ValueError ``run(debug=True)`` raises."""
+    errors.error_flag(device).zero_()
+    run(False)
+    flagged = errors.peek(device)
+    errors.error_flag(device).zero_()
+    try:
+        run(True)
+    except ValueError as refused:
+        return flagged, refused
+    finally:
+        errors.error_flag(device).zero_()
+    return flagged, None
+
+
+@pytest.mark.parametrize("case", ["k_new-prefix-fills-the-table", "k_new-past-the-table", "no-k_new-past-the-table",
+                                  "no-query-past-the-table", "below-q_len", "backwards"])
+def test_debug_refuses_what_the_kernels_flag(device, case):
+    """Debug mode's host checks and the error flag agree: refused exactly when flagged. With
+    k_new the cache holds only the prefix, so seq_len may pass the table's capacity by q_len; a
+    request of no query rows is never run, so its length is never read."""
+    batch = make_batch([5, 0], [32, 32], 4, 2, 64, 16, torch.float16, device, new_layout=True, seed=2)
+    pt = batch["page_table"][:, :2].contiguous()  # capacity 32: request 0's prefix fills it
+    seq, cu, new = batch["seq_lens"].clone(), batch["cu_seqlens_q"].clone(), dict(k_new=batch["k_new"],
+                                                                                  v_new=batch["v_new"])
+    if case == "k_new-past-the-table":
+        seq[0] += 1
+    elif case == "no-k_new-past-the-table":
+        new = {}
+    elif case == "no-query-past-the-table":
+        seq[1] = 10**6
+    elif case == "below-q_len":
+        seq[0] = 4
+    elif case == "backwards":
+        cu = torch.tensor([0, 5, 3], dtype=torch.int32, device=device)
+
+    def run(debug):
+        extend(batch["q"], batch["k_cache"], batch["v_cache"], cu_seqlens_q=cu, seq_lens=seq, page_table=pt,
+               page_size=16, max_q_len=5, debug=debug, **new)
+
+    flagged, refused = _flagged_and_refused(device, run)
+    assert bool(flagged) == (refused is not None), (flagged, refused)
+    assert bool(flagged) == (case not in ("k_new-prefix-fills-the-table", "no-query-past-the-table"))
+
+
+def test_debug_takes_a_padding_decode_row_beside_extend_rows(device):
+    """``Attention`` in debug mode: a padding decode row (seq_len 0, one query row) in a batch with
+    extend rows is legal (zeros, no flag), so it is not refused."""
+    batch = make_batch([1, 1, 5], [24, 0, 35], 4, 2, 64, 16, torch.float16, device, seed=4)
+    seq = batch["seq_lens"].clone()
+    seq[1] = 0
+
+    def run(debug):
+        attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, debug=debug)
+        plan = attn.plan(batch["cu_seqlens_q"], seq, batch["page_table"], num_decodes=2, max_q_len=5)
+        return attn.run(plan, batch["q"], batch["k_cache"], batch["v_cache"])
+
+    assert _flagged_and_refused(device, run) == ([], None)
+    out = run(True)
+    assert torch.all(out[1] == 0)
+
+
+def test_fp8_score_scale_outside_float32_is_refused(device):
+    """sm_scale x k_scale folds into the FP8 cache's score scale, which must be a normal float32:
+    the extend rows refuse it with decode's ValueError (evenkv.extend and Attention)."""
+    batch = quantized(make_batch([3, 2], [4, 0], 4, 2, 64, 16, torch.float16, device), 1.0, 1.0)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"])
+    with pytest.raises(ValueError, match="sm_scale, k_scale"):
+        extend(*args, cu_seqlens_q=batch["cu_seqlens_q"], seq_lens=batch["seq_lens"], page_table=batch["page_table"],
+               page_size=16, max_q_len=3, sm_scale=1e30, k_scale=1e30)
+    attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16, kv_dtype=FP8)
+    plan = attn.plan(batch["cu_seqlens_q"], batch["seq_lens"], batch["page_table"], num_decodes=0, max_q_len=3)
+    with pytest.raises(ValueError, match="sm_scale, k_scale"):
+        attn.run(plan, *args, sm_scale=1e30, k_scale=1e30)
+
+
 def test_mixed_bad_plan(device):
     batch = make_batch([1, 4], [3, 0], 4, 2, 64, 16, torch.float16, device)
     attn = mixed_attention(device, batch, 4, 2, 64, 16, torch.float16)
@@ -537,7 +613,7 @@ def test_sm90_table_config_compiles_without_spills():
     results = aot_compile(dict(
         kernel="evenkv.kernels.extend:extend_kernel",
         bf16=["q_ptr", "k_ptr", "v_ptr", "k_new_ptr", "v_new_ptr", "out_ptr"], fp32_ptrs=["sinks_ptr"],
-        fp32=["qk_scale", "cap_scale", "k_scale", "v_scale"], unaligned=["stride_pt"],
+        fp32=["qk_scale", "cache_qk_scale", "cap_scale", "v_scale"], unaligned=["stride_pt"],
         variants=[dict(cap=90, consts={**base, **flags},
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])) for flags in variants]))
     for flags, r in zip(variants, results):

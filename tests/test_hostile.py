@@ -335,3 +335,60 @@ def test_new_tokens_beside_an_engine_prefill_kernel_are_refused(device):
     plan = attn.plan(b["cu"], b["seq"], b["pt"], num_decodes=0, max_q_len=9)
     with pytest.raises(ValueError, match="k_new, v_new: .*bounds-checking reference prefill.*pass None"):
         attn.run(plan, b["q"], b["k"], b["v"], k_new=b["kn"], v_new=b["vn"])
+
+
+def _misplaced_batch(device, prefixes, q_lens, seed):
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    _, k, v, _, pt = make_paged_batch(seq, HQ, HKV, D, PAGE, torch.float16, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen).half().to(device)
+    return q, k, v, torch.tensor(seq, dtype=torch.int32, device=device), pt
+
+
+@pytest.mark.parametrize("schedule", ["lpt", "ordered"])
+def test_extend_range_before_row_0_writes_no_other_rows(device, schedule):
+    """A query range that starts before row 0 is flagged and run on no rows: clamped to row 0 it
+    would write over the first request's rows. Request 0 claims rows [-4, 0); it is the shorter,
+    so LPT runs it after request 1."""
+    q, k, v, seq, pt = _misplaced_batch(device, [2, 40], [0, 6], seed=3)
+    want = extend_reference(q, k, v, torch.tensor([0, 0, 6], dtype=torch.int32, device=device), seq, pt, PAGE)
+    out = evenkv.extend(q, k, v, cu_seqlens_q=torch.tensor([-4, 0, 6], dtype=torch.int32, device=device),
+                        seq_lens=seq, page_table=pt, page_size=PAGE, max_q_len=6, schedule=schedule,
+                        out=torch.zeros_like(q))
+    assert _flagged(device) == {errors.REASONS[errors.QUERY_OUT_OF_RANGE]}
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)  # request 1's rows, all of q
+
+
+
+def test_attention_audits_each_cache_size(device):
+    """A plan's page audit runs again when a later layer brings a cache of another size: a page
+    id inside the first cache but past the second is flagged there, not read as zeros silently."""
+    q, k, v, lens, _ = make_paged_batch([40, 20], HQ, HKV, D, PAGE, torch.float16, device, seed=3)  # 8 pages
+    pt = torch.tensor([[0, 1, 6], [2, 3, 0]], dtype=torch.int32, device=device)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1])
+    plan = attn.plan(torch.arange(3, dtype=torch.int32, device=device), lens, pt, num_decodes=2, max_q_len=1)
+    attn.run(plan, q, k, v)
+    assert not _flagged(device)
+    attn.run(plan, q, k[:6 * PAGE], v[:6 * PAGE])  # the next layer's cache holds pages 0-5 only
+    assert _flagged(device) == {errors.REASONS[errors.PAGE_OUT_OF_RANGE]}
+
+
+def test_attention_int64_query_offsets_past_int32_are_flagged(device):
+    """Attention narrows an int64 cu_seqlens_q to int32 for its decode and audit kernels: offsets
+    past 2**31 are clamped (flagged as query rows outside q), never wrapped into rows of q."""
+    q, k, v, lens, pt = make_paged_batch([20, 5, 9], HQ, HKV, D, PAGE, torch.float16, device)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1])
+    cu = torch.tensor([0, 1, 2**32 + 2, 2**32 + 3], dtype=torch.int64, device=device)  # wraps to [0, 1, 2, 3]
+    out = attn.run(attn.plan(cu, lens, pt, num_decodes=3, max_q_len=1), q, k, v, out=torch.zeros_like(q))
+    assert _flagged(device) == {errors.REASONS[errors.QUERY_OUT_OF_RANGE]}
+    assert_close_to_reference(out[:1], q[:1], k, v, lens[:1], pt[:1], PAGE)
+
+
+def test_attention_plans_extend_rows_for_one_token_at_least(device):
+    """Attention.plan with max_q_len=0 (no decode rows) still computes 1-token extend rows, as
+    extend does, instead of planning them for none."""
+    q, k, v, lens, pt = make_paged_batch([20, 5], HQ, HKV, D, PAGE, torch.float16, device)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1])
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    out = attn.run(attn.plan(cu, lens, pt, num_decodes=0, max_q_len=0), q, k, v, out=torch.zeros_like(q))
+    assert_close_to_reference(out, q, k, v, lens, pt, PAGE)

@@ -26,9 +26,9 @@ Compile-time variants beside CAUSAL, WINDOW and SOFTCAP:
 * ``HAS_NEW``: the new tokens' K/V come from k_new/v_new (above).
 * ``KV_FP8``: the cache holds FP8 (e4m3); real K = stored K * k_scale, real V = stored V *
   v_scale (per-tensor host floats). Tiles are widened to q's dtype in registers, k_scale
-  folds into the cache source's score scale and v_scale into the output's normaliser: the
-  accumulator holds V in stored units, so k_new/v_new tiles (real values) enter it with p
-  divided by v_scale (see ``_online_softmax``).
+  folds (on the host) into the cache source's score scale and v_scale into the output's
+  normaliser: the accumulator holds V in stored units, so k_new/v_new tiles (real values)
+  enter it with p divided by v_scale (see ``_online_softmax``).
 * ``HAS_SINKS``: ``sinks[head]`` (natural log, neither scaled nor capped; gpt-oss) joins
   every row's softmax denominator at the end of the row: out = sum_j e^{s_j} v_j /
   (sum_j e^{s_j} + e^{sink}).
@@ -260,7 +260,8 @@ def _attend_source(
 def extend_kernel(
     q_ptr, k_ptr, v_ptr, k_new_ptr, v_new_ptr, out_ptr,
     cu_seqlens_ptr, seq_lens_ptr, page_table_ptr, order_ptr, sorted_start_ptr, error_ptr, sinks_ptr,
-    batch_size, req_begin, capacity, window, total_q, max_q_len, num_pages, qk_scale, cap_scale, k_scale, v_scale,
+    batch_size, req_begin, capacity, window, total_q, max_q_len, num_pages, qk_scale, cache_qk_scale, cap_scale,
+    v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_page, stride_k_off, stride_k_head, stride_v_page, stride_v_off, stride_v_head,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_pt,
@@ -276,10 +277,12 @@ def extend_kernel(
     stride_off + head * stride_head; k_new/v_new [total_q, Hkv, D] q's dtype (HAS_NEW);
     page_table [B, max_pages] int32 (row stride stride_pt); sinks [Hq] fp32/bf16/fp16
     (HAS_SINKS); qk_scale, cap_scale: base-2 score scales of real K (``score_scales``);
-    k_scale, v_scale: the FP8 cache's dequantization scales (KV_FP8); capacity = max_pages *
-    PAGE_SIZE bounds every cache position read; num_pages: pages in the caches. A request's
-    q_len is clamped to [0, max_q_len] (as the plan counts its blocks) and its rows to [0,
-    total_q) (QUERY_OUT_OF_RANGE); seq_len is raised to q_len (SEQ_LEN_BELOW_Q_LEN) and
+    cache_qk_scale: qk_scale with the FP8 cache's k_scale folded in (checked on the host, as
+    decode's), else qk_scale; v_scale: the FP8 cache's V dequantization scale (KV_FP8);
+    capacity = max_pages * PAGE_SIZE bounds every cache position read; num_pages: pages in the
+    caches. A request's q_len is clamped to [0, max_q_len] (as the plan counts its blocks) and
+    its rows to [0, total_q), a range starting before row 0 gets none (QUERY_OUT_OF_RANGE);
+    seq_len is raised to q_len (SEQ_LEN_BELOW_Q_LEN) and
     clamped to capacity (+ q_len with HAS_NEW; LENGTH_OUT_OF_RANGE), so every query has a
     position and every cache position read lies in the page table.
     """
@@ -296,11 +299,13 @@ def extend_kernel(
     r = count - 1
     b = tl.load(order_ptr + r)
     local = x - tl.load(sorted_start_ptr + r)
-    # The plan kernel's clamp, so both count the same blocks; then the rows kept inside q.
+    # The plan kernel's clamp, so both count the same blocks; then the rows kept inside q. A
+    # range that starts before row 0 gets none: clamped to row 0 it would write the first
+    # request's rows.
     q_first, q_len, _ = query_range(cu_seqlens_ptr, b, b < batch_size, max_q_len)
     n_blocks = tl.where(b >= req_begin, tl.cdiv(q_len * G, BLOCK_M), 0)
     q_begin = tl.minimum(tl.maximum(q_first, 0), total_q).to(tl.int32)
-    rows_inside = tl.minimum(q_len, total_q - q_begin)
+    rows_inside = tl.where(q_first >= 0, tl.minimum(q_len, total_q - q_begin), 0)
     if (local == 0) & (h == 0) & (rows_inside < q_len):
         tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
     q_len = rows_inside
@@ -356,10 +361,6 @@ def extend_kernel(
         else:
             cache_end = seq_len
         cache_end = tl.minimum(cache_end, capacity)
-        if KV_FP8:
-            cache_qk_scale = qk_scale * k_scale  # real scores = k_scale * (q . stored K)
-        else:
-            cache_qk_scale = qk_scale
         page_row = page_table_ptr + b.to(tl.int64) * stride_pt
         k_head = k_ptr + h.to(tl.int64) * stride_k_head
         v_head = v_ptr + h.to(tl.int64) * stride_v_head

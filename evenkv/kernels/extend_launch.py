@@ -1,9 +1,10 @@
 """Thin launchers for the extend plan and extend kernels.
 
 Each launcher sizes the grid, passes strides and compile-time constants, and launches;
-it does not validate (``evenkv.extend`` and ``evenkv.Attention`` do) and it
-allocates nothing. Caches come as ``[num_pages, page_size, Hkv, D]`` views with any strides
-(``evenkv.checks.as_pages``), passed as (page, offset-in-page, head) strides.
+it does not validate its inputs (``evenkv.extend`` and ``evenkv.Attention`` do), only the
+score scales it folds from them, and it allocates nothing. Caches come as ``[num_pages,
+page_size, Hkv, D]`` views with any strides (``evenkv.checks.as_pages``), passed as (page,
+offset-in-page, head) strides.
 """
 
 import triton
@@ -38,7 +39,7 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
 
     q/out [total_q, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D], q's dtype or FP8;
     k_new/v_new [total_q, Hkv, D] or None; page_table [B, max_pages] int32; errors [1] int32; sinks [Hq]
-    or None; k_scale, v_scale: an FP8 cache's dequantization scales (unused for other caches).
+    or None; k_scale, v_scale: an FP8 cache's dequantization scales (1.0 for other caches).
     """
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[-2]
@@ -47,6 +48,9 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
     if (grid == 0 or batch == 0) and not warmup:
         return None
     qk_scale, cap_scale = score_scales(sm_scale, logit_cap)
+    # The cache's keys are read as stored, so k_scale folds into their score scale, which must
+    # fit float32 (ValueError, as decode's); k_new's keys are real values and take qk_scale.
+    cache_qk_scale, _ = score_scales(sm_scale, logit_cap, k_scale)
     has_new = k_new is not None
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unused pointers when not HAS_NEW
     sink_ptr = sinks if sinks is not None else q  # unused when not HAS_SINKS
@@ -54,7 +58,7 @@ def launch_extend(q, k_cache, v_cache, k_new, v_new, out, cu_seqlens_q, seq_lens
         extend_kernel, (max(grid, 1),), warmup,
         q, k_cache, v_cache, kn, vn, out, cu_seqlens_q, seq_lens, page_table, order, sorted_start, errors, sink_ptr,
         batch, req_begin, page_table.shape[1] * page_size, window or 0, q.shape[0], max_q_len, k_cache.shape[0],
-        qk_scale, cap_scale, float(k_scale), float(v_scale),  # floats: Triton does not specialize on their values
+        qk_scale, cache_qk_scale, cap_scale, float(v_scale),  # floats: Triton does not specialize on their values
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), page_table.stride(0),
