@@ -192,13 +192,13 @@ def resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
     return kv_dtype
 
 
-def check_fp8_capable(kv_dtype: torch.dtype, device: torch.device) -> None:
+def check_fp8_capable(kv_dtype: torch.dtype, device: torch.device, name: str = "kv_dtype") -> None:
     """An FP8 cache on a GPU needs compute capability 8.9 or newer: Triton converts e4m3
-    only there (an A100 cannot widen it)."""
+    only there (an A100 can neither widen nor store it). ``name``: the argument the dtype came from."""
     if kv_dtype in FP8_KV_DTYPES and device.type == "cuda" and not is_interpreter():
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"kv_dtype: {kv_dtype} needs a GPU of compute capability 8.9 or newer, got "
+            raise ValueError(f"{name}: {kv_dtype} needs a GPU of compute capability 8.9 or newer, got "
                              f"{capability[0]}.{capability[1]}")
 
 

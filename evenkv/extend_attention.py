@@ -171,7 +171,7 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     num_kv_heads = k_cache.shape[-2]
     if num_kv_heads < 1:
         raise ValueError(f"k_cache: expected at least one KV head, got shape {tuple(k_cache.shape)}")
-    check_fp8_capable(k_cache.dtype, dev)
+    check_fp8_capable(k_cache.dtype, dev, "k_cache")
     k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     check_new_token_v_scale(v_scale, q.dtype, k_cache.dtype, k_new is not None)
     if k_cache.dtype not in FP8_KV_DTYPES:

@@ -6,7 +6,8 @@ import torch
 from evenkv.kernels import decode_launch as launch
 
 from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, as_pages, check_distinct_elements,
-                     check_kv_caches, check_kv_scale, check_no_shared_elements, check_tensor, resolve_device)
+                     check_fp8_capable, check_kv_caches, check_kv_scale, check_no_shared_elements, check_tensor,
+                     resolve_device)
 from .configs import debug_enabled
 from .errors import error_flag
 
@@ -28,6 +29,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     check_distinct_elements("k_cache", k_cache)
     check_distinct_elements("v_cache", v_cache)
     check_no_shared_elements("v_cache", v_cache, "k_cache", k_cache)
+    check_fp8_capable(k_cache.dtype, dev, "k_cache")
     k_cache, v_cache = slot_pages(k_cache), slot_pages(v_cache)
     num_pages, page_size, hkv, d = k_cache.shape
     if hkv < 1 or d < 1:

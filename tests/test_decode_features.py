@@ -181,3 +181,29 @@ def test_fp8_needs_sm89(monkeypatch):
     checks.check_fp8_capable(torch.bfloat16, gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     checks.check_fp8_capable(FP8, gpu)
+
+
+def test_fp8_writes_and_extends_check_the_gpu(monkeypatch, device):
+    """write_kv and extend over an FP8 cache ask check_fp8_capable about their cache's dtype and
+    device (an A100 cannot store or widen e4m3), naming k_cache."""
+    from evenkv import extend_attention, kv_cache
+
+    asked = []
+
+    def refuse(dtype, dev, name="kv_dtype"):
+        asked.append((dtype, dev.type, name))
+        raise ValueError(f"{name}: refused")
+
+    monkeypatch.setattr(kv_cache, "check_fp8_capable", refuse)
+    monkeypatch.setattr(extend_attention, "check_fp8_capable", refuse)
+    k8 = torch.zeros(32, 2, 64, dtype=FP8, device=device)
+    new = torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="k_cache: refused"):
+        evenkv.write_kv(k8, k8.clone(), new, new, torch.zeros(1, dtype=torch.int32, device=device))
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="k_cache: refused"):
+        evenkv.extend(q, k8, k8.clone(), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                      seq_lens=one, page_table=torch.zeros(1, 2, dtype=torch.int32, device=device), page_size=16,
+                      max_q_len=1)
+    assert asked == [(FP8, device.type, "k_cache")] * 2
