@@ -5,6 +5,7 @@ rank, shape, device, value) with the argument's name, what was expected and what
 given. Never ``assert``: asserts vanish under ``python -O``.
 """
 
+import functools
 import math
 import weakref
 
@@ -77,29 +78,36 @@ def check_no_shared_elements(written_name: str, written: torch.Tensor, read_name
     if (written.numel() == 0 or read.numel() == 0
             or written.untyped_storage().data_ptr() != read.untyped_storage().data_ptr()):
         return
-    if _may_share_elements(written, read):
+    if _may_share_elements(_layout(written), _layout(read)):
         raise ValueError(f"{written_name}, {read_name}: expected no element in common ({written_name} is written while "
                          f"{read_name} is in use), got views of one buffer at {written.data_ptr():#x} (shape "
                          f"{tuple(written.shape)}, strides {written.stride()}) and {read.data_ptr():#x} (shape "
                          f"{tuple(read.shape)}, strides {read.stride()})")
 
 
-def _may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether views a and b of one buffer may share an element (False only when provably not)."""
-    def byte_range(t):
-        return t.data_ptr(), t.data_ptr() + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * \
-            t.element_size()
+def _layout(t: torch.Tensor) -> tuple:
+    """(first element's address, shape, strides, element size): all ``_may_share_elements`` reads."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.element_size()
 
-    (a_lo, a_hi), (b_lo, b_hi) = byte_range(a), byte_range(b)
-    if a_hi <= b_lo or b_hi <= a_lo:
+
+@functools.lru_cache(maxsize=1024)
+def _may_share_elements(a: tuple, b: tuple) -> bool:
+    """Whether views of one buffer with ``_layout``s a and b may share an element (False only
+    when provably not). Cached: an engine passes the same caches every step (vLLM's K and V
+    halves to every KV write), and the search below is Python."""
+    (a_ptr, shape, stride, size), (b_ptr, b_shape, b_stride, b_size) = a, b
+
+    def byte_end(ptr, dims, strides, elem):
+        return ptr + (sum((n - 1) * st for n, st in zip(dims, strides)) + 1) * elem
+
+    if byte_end(*a) <= b_ptr or byte_end(*b) <= a_ptr:
         return False
-    size = a.element_size()
-    delta, misaligned = divmod(b.data_ptr() - a.data_ptr(), size)
-    if a.shape != b.shape or a.stride() != b.stride() or size != b.element_size() or misaligned:
+    delta, misaligned = divmod(b_ptr - a_ptr, size)
+    if shape != b_shape or stride != b_stride or size != b_size or misaligned:
         return True
     # Equal layouts share an element iff delta = sum_i c_i * stride_i with |c_i| < size_i. Taken by
     # decreasing stride, c_i must leave a remainder the smaller dims can still reach.
-    dims = sorted(((s, n) for s, n in zip(a.stride(), a.shape) if n > 1 and s > 0), reverse=True)
+    dims = sorted(((st, n) for st, n in zip(stride, shape) if n > 1 and st > 0), reverse=True)
     reach = [0] * (len(dims) + 1)
     for i in range(len(dims) - 1, -1, -1):
         reach[i] = reach[i + 1] + dims[i][0] * (dims[i][1] - 1)
@@ -108,11 +116,11 @@ def _may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     def representable(i: int, rest: int) -> bool:
         if i == len(dims):
             return rest == 0
-        stride, n = dims[i]
-        lo, hi = max(-(n - 1), -((reach[i + 1] - rest) // stride)), min(n - 1, (rest + reach[i + 1]) // stride)
+        step, n = dims[i]
+        lo, hi = max(-(n - 1), -((reach[i + 1] - rest) // step)), min(n - 1, (rest + reach[i + 1]) // step)
         for digit in range(lo, hi + 1):
             budget[0] -= 1
-            if budget[0] < 0 or representable(i + 1, rest - digit * stride):
+            if budget[0] < 0 or representable(i + 1, rest - digit * step):
                 return True
         return False
 
