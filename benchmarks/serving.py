@@ -62,7 +62,9 @@ from the child's start, imports included; SGLang: from the server's launch to a 
 server's first log line to a healthy ``/health``), ``import_s`` the engine imports (vLLM);
 ``startup_phases`` the phases the engine itself logs (``engine_startup_phases``: vLLM's Dynamo
 transform, torch.compile, graph capture and init engine; SGLang's startup timings, graph capture
-per forward mode included), and evenkv's kernel builds. A workload a child did not finish (its
+per forward mode included), evenkv's kernel builds, and stretches between timestamped log lines
+where the engines log no duration (vLLM's profile run, warm-up and capture, and what follows
+capture; SGLang's scheduler spawn). A workload a child did not finish (its
 time ran out: ``stopped``; the engine failed: ``error: ...``) still gets a row
 with the start-up figures measured. ``--startup-only`` starts and stops each engine, sized for
 ``--workloads`` as a full run would be, and serves nothing: one row per child, workload
@@ -818,14 +820,51 @@ _VLLM_PHASES = (("dynamo", r"Dynamo bytecode transform time: ([\d.]+) s"),
                 ("capture", r"Graph capturing finished in ([\d.]+) secs"),
                 ("init_engine", r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"))
 _EVENKV_BUILDS = r"evenkv: kernels of \d+ attention object\(s\) built or loaded in ([\d.]+) s"
+# Stretches between two logged lines (whole seconds: both engines log wall time to the second),
+# where the engines log no duration: (name, first line, last line). vLLM: from the model load to
+# the KV-cache sizing (the profile run), from there to the end of graph capture (kernel warm-up,
+# evenkv's builds, capture), and from there to the end of init engine (sampler warm-up, vLLM's
+# own Triton compiles). SGLang: from the server's arguments to the scheduler's first step (the
+# scheduler process's spawn and imports).
+_LOG_STRETCHES = {
+    "vllm": (("load_to_kv_sizing", r"Model loading took", r"Available KV cache memory"),
+             ("kv_sizing_to_captured", r"Available KV cache memory", r"Graph capturing finished"),
+             ("captured_to_ready", r"Graph capturing finished", r"init engine \(profile")),
+    "sglang": (("scheduler_spawn", r"server_args=ServerArgs\(", r"Init torch distributed begin"),),
+}
+# A line's wall time: vLLM's "INFO 12-06 06:52:27" (after "(EngineCore pid=N) " where the engine
+# core is a process of its own), SGLang's "[2026-12-06 06:59:45]" (" TP0]" with several ranks).
+_LOG_TIME = {"vllm": r"^(?:\(.*?\) )?[A-Z]+ \d\d-\d\d (\d\d):(\d\d):(\d\d)",
+             "sglang": r"^\[\d{4}-\d\d-\d\d (\d\d):(\d\d):(\d\d)"}
+
+
+def _log_stretches(log: str, engine: str) -> dict[str, float]:
+    """The ``_LOG_STRETCHES`` of ``engine`` found in ``log``, in seconds: from the first line that
+    matches the first pattern to the first later line that matches the second (a day boundary
+    between them is one day less). A stretch whose lines are missing is left out."""
+    times = []
+    for line in log.splitlines():
+        stamp = re.match(_LOG_TIME.get(engine, "$^"), line)
+        if stamp:
+            h, m, sec = (int(x) for x in stamp.groups())
+            times.append((h * 3600 + m * 60 + sec, line))
+    stretches = {}
+    for name, first, last in _LOG_STRETCHES.get(engine, ()):
+        start = next((i for i, (_, line) in enumerate(times) if re.search(first, line)), None)
+        if start is None:
+            continue
+        end = next((t for t, line in times[start:] if re.search(last, line)), None)
+        if end is not None:
+            stretches[name] = float((end - times[start][0]) % 86400)
+    return stretches
 
 
 def engine_startup_phases(log: str, engine: str) -> str:
     """The start-up phases an engine logged (seconds, ``name=value`` joined by ``;``): vLLM's
     Dynamo transform, torch.compile total, graph capture (whole seconds, as vLLM logs it) and
     init engine; SGLang's "Engine startup timings" line, graph captures per forward mode as
-    ``cuda_graph.<mode>`` (zeros left out); and ``evenkv_builds``, evenkv's kernel builds or
-    loads. A phase logged more than once (one line per tensor-parallel worker) counts its
+    ``cuda_graph.<mode>`` (zeros left out); ``evenkv_builds``, evenkv's kernel builds or
+    loads; and the ``_LOG_STRETCHES`` between timestamped lines. A phase logged more than once (one line per tensor-parallel worker) counts its
     longest. Empty when the log has none of them."""
     phases: dict[str, float] = {}
 
@@ -845,6 +884,8 @@ def engine_startup_phases(log: str, engine: str) -> str:
                 for key, value in re.findall(r"(\w+)=([\d.]+)", items):
                     if float(value):
                         put(f"{group}.{key}", value)
+    for name, seconds in _log_stretches(log, engine).items():
+        put(name, str(seconds))
     return ";".join(f"{name}={value:g}" for name, value in phases.items())
 
 

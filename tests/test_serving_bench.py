@@ -704,6 +704,24 @@ def test_engine_startup_phases_from_the_engines_logs():
     assert serving.engine_startup_phases("nothing here\n", "vllm") == ""
 
 
+def test_startup_stretches_between_timestamped_log_lines():
+    vllm_log = ("(EngineCore pid=7) INFO 12-06 23:59:50.120 [model_runner.py:305] Model loading took 15.3 GiB\n"
+                "INFO 12-06 23:59:54 [gpu_worker.py:560] Available KV cache memory: 53.7 GiB\n"
+                "INFO 12-06 23:59:55 [gpu_worker.py:560] Available KV cache memory: 53.7 GiB\n"
+                "INFO 12-07 00:00:03 [model_runner.py:747] Graph capturing finished in 5 secs, took 0.51 GiB\n"
+                "INFO 12-07 00:00:20 [core.py:347] init engine (profile, create kv cache, warmup model) took 30.1 s\n")
+    # stretches from the first matching line to the first later one, across midnight
+    assert serving.engine_startup_phases(vllm_log, "vllm") == (
+        "capture=5;init_engine=30.1;load_to_kv_sizing=4;kv_sizing_to_captured=9;captured_to_ready=17")
+    sglang_log = ("[2026-12-06 06:59:45] server_args=ServerArgs(model_path='m')\n"
+                  "[2026-12-06 07:00:08 TP0] Init torch distributed begin.\n")
+    assert serving.engine_startup_phases(sglang_log, "sglang") == "scheduler_spawn=23"
+    # an end line before its start line, or a missing one, gives no stretch; nor does another engine's format
+    assert serving.engine_startup_phases("\n".join(reversed(sglang_log.splitlines())), "sglang") == ""
+    assert serving.engine_startup_phases(vllm_log.split("INFO 12-07")[0], "vllm") == "load_to_kv_sizing=4"
+    assert serving.engine_startup_phases(sglang_log, "vllm") == ""
+
+
 def test_memory_fraction_per_engine_and_mode(tmp_path):
     assert serving.memory_fraction("sglang", "spec-ngram", None) == 0.85
     assert serving.memory_fraction("sglang", "default", None) == 0.9
