@@ -267,6 +267,8 @@ class Attention:
     def _warmup(self, q, k_cache, v_cache, k_new, v_new, out, sinks, index_dtypes) -> None:
         dev, i32 = self.device, dict(dtype=torch.int32, device=self.device)
         page_table, cu = torch.zeros(1, 1, **i32), torch.zeros(2, **i32)
+        for dtype in index_dtypes:
+            plan_launch.launch_guard_query_rows(cu.to(dtype), self._cu, self._errors, warmup=True)
         configs = ([] if self.prefill_kernel is not None else [self._extend_config]
                    if self._extend_config is not None else extend_configs(self.arch, self.head_dim, self.group_size))
         for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
@@ -349,17 +351,15 @@ class Attention:
             if not torch.equal(cu.long(), torch.arange(num_decodes + 1)):
                 raise ValueError(f"cu_seqlens_q: expected the first num_decodes={num_decodes} requests to have "
                                  f"q_len 1, got cu_seqlens_q[:{num_decodes + 1}]={cu.tolist()}")
+        # Every kernel of the batch reads the guarded copy: int32, non-decreasing (flagged where not).
         cu32 = self._cu[:batch + 1]
-        # An int64 offset past int32 must not wrap into a well-formed row: clamped, the plan flags it.
-        cu32.copy_(cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else
-                   cu_seqlens_q.clamp(-1, torch.iinfo(torch.int32).max))
+        plan_launch.launch_guard_query_rows(cu_seqlens_q, cu32, self._errors)
         use_decode = num_decodes > 0
         decode_plan = None
         if use_decode:
-            decode_plan = self.decode.plan(seq_lens[:num_decodes], page_table[:num_decodes],
-                                           cu_seqlens_q=cu32[:num_decodes + 1], q_len=decode_q_len,
-                                           tree_mask=tree_mask,
-                                           seq_lens_cpu=None if seq_lens_cpu is None else seq_lens_cpu[:num_decodes])
+            decode_plan = self.decode._plan_batch(
+                seq_lens[:num_decodes], page_table[:num_decodes], cu32[:num_decodes + 1], decode_q_len, tree_mask,
+                None if seq_lens_cpu is None else seq_lens_cpu[:num_decodes], guard_rows=False)
         elif tree_mask is not None:
             raise ValueError("tree_mask: expected None for a batch with no decode rows (num_decodes=0)")
         extend_plan = delegated = None
@@ -374,7 +374,7 @@ class Attention:
             # Planned for one token at least, so a longer range is flagged, never skipped (as ``extend``).
             q_bound = max(max_q_len, 1)
             config = self._extend_config or extend_config(self.arch, self.head_dim, self.group_size, q_bound)
-            extend_plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=self.page_size,
+            extend_plan = plan_extend(cu32, seq_lens, page_table, page_size=self.page_size,
                                       group_size=self.group_size, max_q_len=q_bound, config=config,
                                       schedule=self.schedule, req_begin=req_begin, order=self._order,
                                       sorted_start=self._sorted_start)

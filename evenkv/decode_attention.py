@@ -154,6 +154,8 @@ class DecodeAttention:
         self._plan_seq_lens = torch.zeros(max_batch_size, **i32)
         # Plain decode rows: request b's query is q row b (the plan's cu_seqlens when none is given).
         self._row_per_request = torch.arange(max_batch_size + 1, **i32)
+        # A caller's cu_seqlens_q as the kernels read it (``plan_launch.launch_guard_query_rows``).
+        self._guarded_rows = torch.zeros(max_batch_size + 1, **i32)
         self._no_tree = torch.zeros(1, **i32)
         self._errors = error_flag(self.device)
         self._audited_pages = None  # the cache size the latest plan's page ids were audited against
@@ -362,11 +364,12 @@ class DecodeAttention:
                                           warmup=True)
 
     def _compile_plans(self, page_table: torch.Tensor, index_dtypes: tuple) -> None:
-        """Compile the page-audit kernel and (stream) every variant's plan kernel, for each
-        batch-size bucket and length dtype in ``index_dtypes``, at the variants' current grids.
-        page_table: [1, 1] int32."""
+        """Compile the query-row guard, the page-audit kernel and (stream) every variant's plan
+        kernel, for each batch-size bucket and length dtype in ``index_dtypes``, at the variants'
+        current grids. page_table: [1, 1] int32."""
         plans = [(config, grid, bucket > 1) for bucket, (config, grid, _) in self._variants.items()]
         plans += [(many[0], many[1], bucket > 1) for bucket, (_, _, many) in self._variants.items() if many]
+        plan_launch.launch_guard_query_rows(self._row_per_request, self._guarded_rows, self._errors, warmup=True)
         for block_b in plan_launch.plan_block_buckets(self.max_batch_size):
             for dtype in index_dtypes:
                 lens = torch.zeros(block_b, dtype=dtype, device=self.device)
@@ -446,8 +449,9 @@ class DecodeAttention:
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; default (plain decode) q row b. Query
             token t of request b sits at position seq_len - q_len + t and sees the keys up to
             it (causal among the request's new tokens). A malformed range (q_len past
-            ``q_len``, a q_len above 1 for plain decode rows) is flagged on the device
-            (``evenkv.check_errors``) and never run as something else.
+            ``q_len``, a q_len above 1 for plain decode rows, a range going back before an
+            earlier request's end) is flagged on the device (``evenkv.check_errors``) and never
+            run as something else; no request's rows are another's.
         q_len: host int, the most query tokens of one request (1 to this object's max_q_len):
             picks the kernel variant, the smallest built q-length bucket that holds it.
         tree_mask: [>= cu_seqlens_q[B]] int32 on this device exactly when q_len > 1 and the
@@ -457,6 +461,12 @@ class DecodeAttention:
         seq_lens_cpu: optional host copy of seq_lens; if given, lengths are checked against
             the page table with no sync.
         """
+        return self._plan_batch(seq_lens, page_table, cu_seqlens_q, q_len, tree_mask, seq_lens_cpu, guard_rows=True)
+
+    def _plan_batch(self, seq_lens, page_table, cu_seqlens_q, q_len, tree_mask, seq_lens_cpu,
+                    guard_rows: bool) -> DecodePlan:
+        """``plan``; with guard_rows False a given cu_seqlens_q is already non-decreasing
+        (``Attention``'s guarded copy) and is read as it is."""
         batch = check_batch_metadata(seq_lens, page_table, self.device)
         check_batch_limits(batch, page_table, self.max_batch_size, self.max_pages_per_request)
         check_positive_int("q_len", q_len)
@@ -470,6 +480,10 @@ class DecodeAttention:
         else:
             check_tensor("cu_seqlens_q", cu_seqlens_q, shape=(batch + 1,), dtypes=(torch.int32,), device=self.device,
                          contiguous=True)
+            if guard_rows:
+                guarded = self._guarded_rows[:batch + 1]
+                plan_launch.launch_guard_query_rows(cu_seqlens_q, guarded, self._errors)
+                cu_seqlens_q = guarded
         tree = tree_mask is not None
         if tree != (self.tree_masks and q_len > 1):
             expected = "[>= total_q] int32 (this object has tree_masks=True)" if not tree else "None"

@@ -4,7 +4,8 @@ The kernels never read or write outside the caches and tensors they are given, w
 page table, slots and lengths say: a page id outside the KV cache is never dereferenced
 (its tokens' K and V read as zeros), a slot outside the cache is not
 written, lengths are clamped to the page table (negatives count as 0; an extend row's
-seq_len is raised to its q_len), and query rows are clamped to ``q``. Each of these sets a
+seq_len is raised to its q_len), and query rows are clamped to ``q`` and made non-decreasing
+(``plan.guard_query_rows_kernel``: no request runs on another's rows). Each of these sets a
 bit of one int32 flag per device, which a host can read when it chooses:
 
     evenkv.check_errors()        # syncs; raises EvenKVError naming what was wrong, and clears
@@ -38,9 +39,9 @@ REASONS = {
     LENGTH_OUT_OF_RANGE: "seq_lens: a length < 0 or past the page table's capacity (clamped)",
     QUERY_OUT_OF_RANGE: "cu_seqlens_q / max_q_len: a query range outside q, longer than max_q_len or (decode rows) "
                         "than its seq_len, off its row (plain decode) or starting before row 0: that request ran on "
-                        "the rows left inside those bounds (none for a range starting before row 0) and its other "
-                        "rows were not written, so its output is wrong; a range that goes back before an earlier "
-                        "request's rows may also have overwritten them",
+                        "the rows left inside those bounds (none for a range starting before row 0; for a range going "
+                        "back before an earlier request's end, its rows past that end) and its other rows were not "
+                        "written, so its output is wrong; no request's rows were written by another",
     SEQ_LEN_BELOW_Q_LEN: "seq_lens: a length below its request's q_len (seq_lens count the new tokens too; read as "
                          "q_len, so its queries saw only the first q_len positions)",
     INVARIANCE_LOST: "deterministic decode: a batch held more tokens than max_total_tokens (shared prefix pages?); "

@@ -24,6 +24,7 @@ from .checks import (FP8_KV_DTYPES, PAGE_SIZES, SUPPORTED_DTYPES, as_pages, chec
                      check_positive_int, check_sinks, check_tensor, normalize_logit_cap, normalize_window,
                      output_like, resolve_device, resolve_sm_scale)
 from .configs import ExtendConfig, debug_enabled, extend_config, resolve_arch, sm_count
+from .errors import error_flag
 from .planning import ExtendPlan, plan_extend
 
 SCHEDULES = ("lpt", "ordered")
@@ -212,10 +213,13 @@ def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_
     group = num_q_heads // num_kv_heads
     if config is None:
         config = extend_config(resolve_arch(arch, dev), head_dim, group, max_q_len)
-    plan = plan_extend(cu_seqlens_q, seq_lens, page_table, page_size=page_size, group_size=group,
+    # The kernels read the guarded copy: int32, non-decreasing (flagged where not).
+    rows = torch.empty(batch + 1, dtype=torch.int32, device=dev)
+    plan_launch.launch_guard_query_rows(cu_seqlens_q, rows, error_flag(dev))
+    plan = plan_extend(rows, seq_lens, page_table, page_size=page_size, group_size=group,
                        max_q_len=max_q_len, config=config, schedule=schedule)
     k_cache, v_cache = as_pages(k_cache, page_size), as_pages(v_cache, page_size)
-    plan_launch.launch_audit_pages(seq_lens, cu_seqlens_q, page_table, plan.errors, k_cache.shape[0], page_size,
+    plan_launch.launch_audit_pages(seq_lens, rows, page_table, plan.errors, k_cache.shape[0], page_size,
                                    sm_count(dev), batch)
     return run_extend(plan, q, k_cache, v_cache, out, k_new=k_new, v_new=v_new, sm_scale=scale, causal=causal,
                       sliding_window=window, logit_cap=cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)

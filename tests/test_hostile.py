@@ -392,3 +392,60 @@ def test_attention_plans_extend_rows_for_one_token_at_least(device):
     cu = torch.arange(3, dtype=torch.int32, device=device)
     out = attn.run(attn.plan(cu, lens, pt, num_decodes=0, max_q_len=0), q, k, v, out=torch.zeros_like(q))
     assert_close_to_reference(out, q, k, v, lens, pt, PAGE)
+
+
+def _batch_of_rows(device, prefixes, q_lens, seed):
+    """q [sum(q_lens), HQ, D] fp16 and a paged cache of requests whose seq_len is prefix + q_len."""
+    seq = [p + n for p, n in zip(prefixes, q_lens)]
+    _, k, v, _, pt = make_paged_batch(seq, HQ, HKV, D, PAGE, torch.float16, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen).half().to(device)
+    return q, k, v, torch.tensor(seq, dtype=torch.int32, device=device), pt
+
+
+def _rows(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("policy,deterministic", [("balanced", False), ("fa3", False), ("none", False),
+                                                  ("balanced", True)])
+def test_verify_rows_going_back_write_none_of_an_earlier_request(device, policy, deterministic):
+    """Verify rows under every policy, cu going back: request 1 ends at row 3, inside request 0's
+    rows 0..4, and request 2 starts there. Both keep no rows (each ends at or before request 0's
+    end), so request 0's rows and request 3's are right and the batch is flagged."""
+    q, k, v, seq, pt = _batch_of_rows(device, [40, 5, 3, 4], [5, 0, 0, 3], seed=6)
+    want = extend_reference(q, k, v, _rows([0, 5, 5, 5, 8], device), seq, pt, PAGE)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], policy,
+                                  deterministic=deterministic, max_q_len=8)
+    plan = attn.plan(seq, pt, cu_seqlens_q=_rows([0, 5, 3, 5, 8], device), q_len=8)
+    out = attn.run(plan, q, k, v, out=torch.zeros_like(q))
+    assert _flagged(device) == {errors.REASONS[errors.QUERY_OUT_OF_RANGE]}
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("schedule", ["lpt", "ordered"])
+def test_extend_range_going_back_keeps_only_its_rows_past_the_earlier_end(device, schedule):
+    """evenkv.extend, cu = [0, 5, 3, 8]: request 1's range goes back, and request 2's [3, 8) starts
+    inside request 0's [0, 5). Request 2 keeps its rows 5..7, its last three tokens (where its
+    query rows put them), and request 0's rows are its own: all 8 rows as the ranges [0, 5), [5, 5),
+    [5, 8) give them, flagged."""
+    q, k, v, seq, pt = _batch_of_rows(device, [40, 3, 2], [5, 0, 3], seed=3)
+    want = extend_reference(q, k, v, _rows([0, 5, 5, 8], device), seq, pt, PAGE)
+    out = evenkv.extend(q, k, v, cu_seqlens_q=_rows([0, 5, 3, 8], device), seq_lens=seq, page_table=pt,
+                        page_size=PAGE, max_q_len=6, schedule=schedule, out=torch.zeros_like(q))
+    assert _flagged(device) == {errors.REASONS[errors.QUERY_OUT_OF_RANGE]}
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)
+
+
+def test_attention_extend_range_going_back_into_the_decode_rows_writes_none_of_theirs(device):
+    """``Attention``, two verify decode rows of 3 tokens (rows 0..5), then extend rows whose cu
+    goes back: request 2 ends at row 2 and request 3 covers rows 2..5 of the decode rows. Both keep
+    no rows; the decode rows and request 4's rows 6..8 are right, flagged."""
+    q, k, v, seq, pt = _batch_of_rows(device, [30, 20, 6, 9, 12], [3, 3, 0, 0, 3], seed=8)
+    want = extend_reference(q, k, v, _rows([0, 3, 6, 6, 6, 9], device), seq, pt, PAGE)
+    attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 5, pt.shape[1], max_decode_q_len=4)
+    plan = attn.plan(_rows([0, 3, 6, 2, 6, 9], device), seq, pt, num_decodes=2, max_q_len=4, decode_q_len=3,
+                     num_decode_tokens=6)
+    out = attn.run(plan, q, k, v, out=torch.zeros_like(q))
+    assert _flagged(device) == {errors.REASONS[errors.QUERY_OUT_OF_RANGE]}
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=0)

@@ -375,3 +375,29 @@ def test_page_tables_from_token_table(device, page_size, swa):
     if swa:
         assert want_swa[0, 4] == -1  # its slot lies past the mapping
         assert torch.equal(swa_dev.cpu(), want_swa)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_query_row_guard_matches_a_running_max(device, dtype):
+    """The query-row guard: each entry clamped to [-1, 2**31 - 1] and raised to the largest one
+    before it, across the kernel's chunks (2,500 entries), flagged exactly where that changed an
+    entry; a non-decreasing cu from >= 0 comes back as it is, unflagged."""
+    from evenkv.kernels import plan_launch
+
+    rng = np.random.default_rng(5)
+    steps = rng.integers(0, 9, size=2500)
+    steps[rng.random(2500) < 0.01] = -40  # ranges going back
+    steps[[1024, 2048]] = -40  # at the first entry of a chunk: raised to the chunks before
+    well_formed = np.concatenate([[0], np.cumsum(np.abs(steps[1:]))])
+    hostile = np.cumsum(steps) - 3
+    if dtype == torch.int64:
+        hostile[1800:] += 2**32  # past int32: clamped, never wrapped
+    for cu, flagged in ((well_formed, False), (hostile, True)):
+        evenkv.errors.error_flag(device).zero_()
+        out = torch.full((cu.size,), -7, dtype=torch.int32, device=device)
+        plan_launch.launch_guard_query_rows(torch.tensor(cu, dtype=dtype, device=device), out,
+                                            evenkv.errors.error_flag(device))
+        want = np.maximum.accumulate(np.clip(cu, -1, 2**31 - 1))
+        assert out.cpu().numpy().tolist() == want.tolist()
+        assert bool(evenkv.errors.error_flag(device).item()) == flagged
+    evenkv.errors.error_flag(device).zero_()

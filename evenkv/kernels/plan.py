@@ -1,5 +1,6 @@
-"""Triton planning kernels: the decode stream plan, the page audit, the extend plan, and the
-page tables an engine that keeps a token table (SGLang's req_to_token) needs built each step.
+"""Triton planning kernels: the guard of a batch's query rows, the decode stream plan, the page
+audit, the extend plan, and the page tables an engine that keeps a token table (SGLang's
+req_to_token) needs built each step.
 
 ``plan_stream_kernel``, the prepare kernel for the ``balanced`` (stream-K) decode
 schedule, writes from device ``seq_lens``, with no host sync and into preallocated buffers:
@@ -368,6 +369,35 @@ def audit_pages_kernel(
 @triton.jit
 def _running_max(a, b):
     return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["num_entries"], do_not_specialize_on_alignment=["cu_seqlens_ptr"])
+def guard_query_rows_kernel(cu_seqlens_ptr, cu_out_ptr, error_ptr, num_entries, BLOCK: tl.constexpr):
+    """One program: the batch's query rows as every later kernel of the batch reads them.
+
+    cu_seqlens [num_entries] int32/int64 (request b's rows cu[b] .. cu[b + 1] - 1) -> cu_out
+    [num_entries] int32: each entry clamped to [-1, 2**31 - 1] (an int64 offset must not wrap into
+    a well-formed row) and raised to the largest entry before it, setting QUERY_OUT_OF_RANGE where
+    that changed an entry. A range that goes back before an earlier request's end so keeps only
+    its rows past that end (none where it ends before it): no request's rows are another's, so a
+    malformed range cannot overwrite a well-formed request's output. Example: cu = [0, 5, 10, 3, 8]
+    -> [0, 5, 10, 10, 10]: requests 0 and 1 keep rows 0..9, requests 2 and 3 run on none."""
+    offs = tl.arange(0, BLOCK)
+    carry = tl.full([], -1, tl.int32)
+    changed = tl.zeros([BLOCK], tl.int1)
+    for start in range(0, num_entries, BLOCK):
+        idx = start + offs
+        mask = idx < num_entries
+        raw = tl.load(cu_seqlens_ptr + idx, mask=mask, other=0).to(tl.int64)
+        clamped = tl.minimum(tl.maximum(raw, -1), 2147483647).to(tl.int32)
+        # Lanes past num_entries come after every real entry (and only in the last chunk), so
+        # they raise none of them.
+        rows = tl.maximum(tl.associative_scan(clamped, 0, _running_max), carry)
+        tl.store(cu_out_ptr + idx, rows, mask=mask)
+        changed = changed | (mask & (rows != raw))
+        carry = tl.max(rows, 0)
+    if tl.max(changed.to(tl.int32), 0) > 0:
+        tl.atomic_or(error_ptr, QUERY_OUT_OF_RANGE, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_rows", "first_row", "total_rows", "max_q_len", "capacity"],

@@ -1,6 +1,6 @@
-"""Thin launchers for the planning kernels (``evenkv.kernels.plan``): the balanced decode
-plan, the page audit, the guard of an engine prefill kernel's rows, the extend plan and the
-page tables built from a token table.
+"""Thin launchers for the planning kernels (``evenkv.kernels.plan``): the guard of a batch's
+query rows, the balanced decode plan, the page audit, the guard of an engine prefill kernel's
+rows, the extend plan and the page tables built from a token table.
 
 Each launcher sizes the grid, passes compile-time constants and launches; it does not
 validate and it allocates nothing.
@@ -9,8 +9,8 @@ validate and it allocates nothing.
 import triton
 
 from .launching import launch_or_compile
-from .plan import (audit_pages_kernel, extend_plan_kernel, guard_prefill_rows_kernel, page_table_from_tokens_kernel,
-                   plan_stream_kernel)
+from .plan import (audit_pages_kernel, extend_plan_kernel, guard_prefill_rows_kernel, guard_query_rows_kernel,
+                   page_table_from_tokens_kernel, plan_stream_kernel)
 
 # The prepare kernel scans the batch in chunks of up to PLAN_MAX_BLOCK_B requests (one
 # chunk per pass keeps the plan at two load latencies up to B = 2048); each program answers
@@ -89,6 +89,19 @@ def launch_audit_pages(seq_lens, cu_seqlens, page_table, errors, num_pages: int,
         seq_lens, cu_seqlens, page_table, errors, bad_row_lens if zero else errors, seq_lens.shape[0],
         page_table.shape[1] * page_size, window, page_table.stride(0), num_pages, PAGE_SIZE=page_size,
         BLOCK_B=plan_block_b(seq_lens.shape[0], max_batch_size), BLOCK_E=AUDIT_BLOCK_E, ZERO_BAD_ROWS=zero,
+        num_warps=4)
+
+
+# The query-row guard scans cu_seqlens in chunks of GUARD_BLOCK entries (8 per thread): one
+# pass up to B = 1023 requests, three at 2048; one compiled variant per index dtype.
+GUARD_BLOCK = 1024
+
+
+def launch_guard_query_rows(cu_seqlens, cu_out, errors, warmup: bool = False):
+    """cu_seqlens [B + 1] int32/int64 -> cu_out [B + 1] int32, non-decreasing (see
+    ``guard_query_rows_kernel``); errors [1] int32. One program."""
+    return launch_or_compile(
+        guard_query_rows_kernel, (1,), warmup, cu_seqlens, cu_out, errors, cu_seqlens.shape[0], BLOCK=GUARD_BLOCK,
         num_warps=4)
 
 

@@ -1235,6 +1235,7 @@ def test_startup_compiles_only_reachable_kernels(cpu_platform, checkpoints, devi
     row_kinds = 1 if speculation is None else 2  # single-token rows, + verify rows (1-4 tokens)
     expected = {
         "kv_write_kernel": 1,
+        "guard_query_rows_kernel": 1,  # the plans' guard of cu_seqlens_q
         "audit_pages_kernel": chunks,
         "plan_stream_kernel": chunks * row_kinds,
         # single-token rows: the decode row and the many-segments row; verify rows of 2 and
