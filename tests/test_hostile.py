@@ -394,15 +394,6 @@ def test_attention_plans_extend_rows_for_one_token_at_least(device):
     assert_close_to_reference(out, q, k, v, lens, pt, PAGE)
 
 
-def _batch_of_rows(device, prefixes, q_lens, seed):
-    """q [sum(q_lens), HQ, D] fp16 and a paged cache of requests whose seq_len is prefix + q_len."""
-    seq = [p + n for p, n in zip(prefixes, q_lens)]
-    _, k, v, _, pt = make_paged_batch(seq, HQ, HKV, D, PAGE, torch.float16, device, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(q_lens), HQ, D, generator=gen).half().to(device)
-    return q, k, v, torch.tensor(seq, dtype=torch.int32, device=device), pt
-
-
 def _rows(values, device):
     return torch.tensor(values, dtype=torch.int32, device=device)
 
@@ -413,7 +404,7 @@ def test_verify_rows_going_back_write_none_of_an_earlier_request(device, policy,
     """Verify rows under every policy, cu going back: request 1 ends at row 3, inside request 0's
     rows 0..4, and request 2 starts there. Both keep no rows (each ends at or before request 0's
     end), so request 0's rows and request 3's are right and the batch is flagged."""
-    q, k, v, seq, pt = _batch_of_rows(device, [40, 5, 3, 4], [5, 0, 0, 3], seed=6)
+    q, k, v, seq, pt = _misplaced_batch(device, [40, 5, 3, 4], [5, 0, 0, 3], seed=6)
     want = extend_reference(q, k, v, _rows([0, 5, 5, 5, 8], device), seq, pt, PAGE)
     attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.float16, device, 4, pt.shape[1], policy,
                                   deterministic=deterministic, max_q_len=8)
@@ -429,7 +420,7 @@ def test_extend_range_going_back_keeps_only_its_rows_past_the_earlier_end(device
     inside request 0's [0, 5). Request 2 keeps its rows 5..7, its last three tokens (where its
     query rows put them), and request 0's rows are its own: all 8 rows as the ranges [0, 5), [5, 5),
     [5, 8) give them, flagged."""
-    q, k, v, seq, pt = _batch_of_rows(device, [40, 3, 2], [5, 0, 3], seed=3)
+    q, k, v, seq, pt = _misplaced_batch(device, [40, 3, 2], [5, 0, 3], seed=3)
     want = extend_reference(q, k, v, _rows([0, 5, 5, 8], device), seq, pt, PAGE)
     out = evenkv.extend(q, k, v, cu_seqlens_q=_rows([0, 5, 3, 8], device), seq_lens=seq, page_table=pt,
                         page_size=PAGE, max_q_len=6, schedule=schedule, out=torch.zeros_like(q))
@@ -441,7 +432,7 @@ def test_attention_extend_range_going_back_into_the_decode_rows_writes_none_of_t
     """``Attention``, two verify decode rows of 3 tokens (rows 0..5), then extend rows whose cu
     goes back: request 2 ends at row 2 and request 3 covers rows 2..5 of the decode rows. Both keep
     no rows; the decode rows and request 4's rows 6..8 are right, flagged."""
-    q, k, v, seq, pt = _batch_of_rows(device, [30, 20, 6, 9, 12], [3, 3, 0, 0, 3], seed=8)
+    q, k, v, seq, pt = _misplaced_batch(device, [30, 20, 6, 9, 12], [3, 3, 0, 0, 3], seed=8)
     want = extend_reference(q, k, v, _rows([0, 3, 6, 6, 6, 9], device), seq, pt, PAGE)
     attn = evenkv.Attention(HQ, HKV, D, PAGE, torch.float16, device, 5, pt.shape[1], max_decode_q_len=4)
     plan = attn.plan(_rows([0, 3, 6, 2, 6, 9], device), seq, pt, num_decodes=2, max_q_len=4, decode_q_len=3,
