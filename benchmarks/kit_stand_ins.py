@@ -1,16 +1,15 @@
 """A KV-cache write for vLLM's own backends where vLLM runs without its compiled ``_C``.
 
 The device kit's vLLM replaces the compiled ``_C`` extension with PyTorch stand-ins
-(``vllm._C_stable_libtorch``, which sets ``STUB = True``). Its ``reshape_and_cache_flash``
-writes only a cache in the model dtype, so ``FLASH_ATTN`` (and every vLLM backend that writes
-through that op) cannot start over an FP8 cache there. ``install_kv_write`` registers
-``write_kv_cache`` in its place, in this process: the same scatter, plus vLLM's e4m3 write
-(value / scale, saturated to the e4m3 range, rounded to nearest even), so the serving
-benchmark can run the engine's default backend over the same FP8 cache as evenkv.
-
-Like the kit's own stand-in it is a few PyTorch ops per layer where vLLM runs one fused
-kernel, so the baseline's write costs more than in a full install. evenkv writes its cache
-with its own kernel and never calls this op.
+(``vllm._C_stable_libtorch``, which sets ``STUB = True``). Its ``reshape_and_cache_flash`` is a
+handful of PyTorch ops per layer (index arithmetic and two scatters), where a full install runs
+one fused kernel, and it writes only a cache in the model dtype. So on the kit ``FLASH_ATTN``
+would pay a KV write that evenkv, which writes with its own kernel, does not, and
+could not start over an FP8 cache at all. ``install_kv_write`` registers ``write_kv_cache`` in
+its place, in this process: on CUDA tensors it is vLLM's own fused Triton write
+(``triton_reshape_and_cache_flash``, the one vLLM's ``TRITON_ATTN`` backend writes with), one
+kernel per layer that reads the scales on the device, for model-dtype and e4m3 caches alike; on
+CPU tensors, where that kernel cannot run, the same scatter in PyTorch.
 """
 
 from __future__ import annotations
@@ -30,11 +29,20 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     ``key_cache`` / ``value_cache`` ([blocks, block_size, Hkv, D] views of any strides). ``kv_cache_dtype``
     ``auto``: stored as they are (cast to the cache's dtype); ``fp8`` / ``fp8_e4m3``: stored as
     e4m3 of value / scale (``k_scale``, ``v_scale``: float32 tensors of one element) in a uint8
-    or float8_e4m3fn cache. A slot of -1 (a padding token) is written to slot 0 instead, which
-    lies in vLLM's reserved null block: no boolean masking, which would sync and break CUDA-graph
-    capture."""
+    or float8_e4m3fn cache (saturated to +-448, rounded to nearest even). A slot of -1 (a
+    padding token): vLLM's write skips it on CUDA; the CPU scatter writes it to slot 0 instead,
+    which lies in vLLM's reserved null block (no boolean masking, which would sync)."""
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
         raise ValueError(f"kv_cache_dtype: expected 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and key_cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"key_cache/value_cache: expected uint8 or float8_e4m3fn for kv_cache_dtype "
+                         f"{kv_cache_dtype!r}, got {key_cache.dtype}")
+    if key_cache.is_cuda:
+        from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+        triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                       v_scale)
+        return
     n = slot_mapping.numel()
     block_size = key_cache.shape[1]
     slots = slot_mapping.flatten().long().clamp(min=0)
@@ -43,9 +51,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         if kv_cache_dtype == "auto":
             cache[blocks, offsets] = src[:n].to(cache.dtype)
             continue
-        if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
-            raise ValueError(f"key_cache/value_cache: expected uint8 or float8_e4m3fn for kv_cache_dtype "
-                             f"{kv_cache_dtype!r}, got {cache.dtype}")
         quantized = (src[:n].float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         cache.view(torch.float8_e4m3fn)[blocks, offsets] = quantized
 

@@ -46,10 +46,12 @@ Engines:
           sizes up to the batch limit), torch.compile (mode 3 with custom_ops ["none"]: the
           device kit's PyTorch norms and activations are fused around the attention op, as
           vLLM's compiled ops would be; ``--no-vllm-compile`` gives mode 0, every op eager),
-          chunked prefill with 16384-token steps, no prefix caching. Over an FP8 cache on the
-          device kit's vLLM, whose PyTorch stand-in of the KV write refuses FP8 caches, the
-          child first registers ``benchmarks.kit_stand_ins``' write (vLLM's own backends write
-          through it, evenkv through its own kernel; one process, so tensor parallelism 1).
+          chunked prefill with 16384-token steps, no prefix caching. On the device kit's vLLM,
+          whose KV write is a PyTorch stand-in (several kernels per layer, model-dtype caches
+          only), the child first registers ``benchmarks.kit_stand_ins``' write: vLLM's own
+          fused Triton write, which vLLM's backends then write through as they would through
+          the compiled op of a full install (evenkv writes with its own kernel; one process,
+          so tensor parallelism 1).
   sglang  the HTTP server (``python -m sglang.launch_server``), started per backend and
           driven by a streaming client on localhost (aiohttp), as an operator runs it; the
           client sends requests in arrival order, each after the one before it has its
@@ -378,11 +380,10 @@ def vllm_llm(model: Path, backend: str, max_model_len: int, max_num_seqs: int, m
         from evenkv.integrations.vllm import register
 
         register()
-    if setup.kv_cache_dtype == "fp8":
-        from benchmarks import kit_stand_ins
+    from benchmarks import kit_stand_ins
 
-        if kit_stand_ins.runs_on_stand_ins():
-            kit_stand_ins.install_kv_write()  # the kit's own KV write refuses FP8 caches
+    if kit_stand_ins.runs_on_stand_ins():
+        kit_stand_ins.install_kv_write()  # vLLM's fused write for its own backends, as in a full install
     return LLM(**vllm_llm_kwargs(model, backend, max_model_len, max_num_seqs, mem, setup))
 
 

@@ -416,8 +416,9 @@ def _kv_write_case(cache_dtype, layout="NHD"):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("cache_dtype", [torch.uint8, torch.float8_e4m3fn])
 def test_kit_kv_write_stores_e4m3_as_vllm_does(cache_dtype, layout):
-    """The serving benchmark's FP8 KV write for vLLM's own backends on the kit's stand-ins:
-    value / scale, saturated to +-448, rounded to e4m3; a slot of -1 goes to slot 0."""
+    """The serving benchmark's FP8 KV write for vLLM's own backends on the kit's stand-ins, on
+    CPU tensors: value / scale, saturated to +-448, rounded to e4m3; a slot of -1 goes to slot 0
+    (the GPU lane checks vLLM's fused write on CUDA tensors against this one)."""
     from benchmarks.kit_stand_ins import write_kv_cache
 
     key, value, (k_cache, v_cache), slots = _kv_write_case(cache_dtype, layout)
@@ -490,9 +491,9 @@ def test_kit_kv_write_replaces_the_kits_op(kits_kv_write_op, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype, stand_ins, installs", [("fp8", True, True), ("fp8", False, False),
-                                                                  ("auto", True, False)])
-def test_vllm_child_installs_the_fp8_write_only_over_the_kits_stand_ins(tmp_path, monkeypatch, kv_cache_dtype,
-                                                                       stand_ins, installs):
+                                                                  ("auto", True, True), ("auto", False, False)])
+def test_vllm_child_installs_the_fused_write_only_over_the_kits_stand_ins(tmp_path, monkeypatch, kv_cache_dtype,
+                                                                         stand_ins, installs):
     import types
 
     from benchmarks import kit_stand_ins
