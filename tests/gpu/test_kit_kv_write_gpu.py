@@ -10,8 +10,6 @@ import torch
 from benchmarks.kit_stand_ins import write_kv_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: no CUDA device")]
-pytest.importorskip("vllm.v1.attention.ops.triton_reshape_and_cache_flash",
-                    reason="vLLM's fused KV write comes with vLLM (the vLLM kit), not with the peers kit")
 
 BLOCKS, BLOCK_SIZE, HKV, D = 64, 16, 8, 128  # Qwen3-8B's KV heads
 
@@ -36,6 +34,8 @@ def _case(cache_dtype, layout, tokens=300, padded=320):
 @pytest.mark.parametrize("cache_dtype, kv_cache_dtype", [(torch.bfloat16, "auto"), (torch.uint8, "fp8"),
                                                          (torch.float8_e4m3fn, "fp8_e4m3")])
 def test_fused_write_stores_what_the_cpu_scatter_stores(cache_dtype, kv_cache_dtype, layout):
+    pytest.importorskip("vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+                        reason="vLLM's fused KV write comes with vLLM (the vLLM kit), not with the peers kit")
     key, value, (k_cpu, v_cpu), slots = _case(cache_dtype, layout)
     k_scale, v_scale = torch.tensor([0.5]), torch.tensor([2.0])  # powers of two: exact divisions either way
     write_kv_cache(key, value, k_cpu, v_cpu, slots, kv_cache_dtype, k_scale, v_scale)
