@@ -1152,6 +1152,21 @@ def child_deadline(left_s: float, children_left: int, min_child_s: float) -> flo
     return left_s - min_child_s * (children_left - 1)
 
 
+def children_that_fit(children: list[Child], group_size: int, starts_before: int, left_s: float,
+                      min_child_s: float) -> list[Child]:
+    """The children to start: all where ``left_s`` gives each of them (after ``starts_before``
+    untimed starts) ``min_child_s``; else whole comparison groups from the front (``group_size``
+    children, one per backend: ``child_order``'s (repeat, mode, shape) groups), as many as fit,
+    at least the first. So a short budget drops the last repeats and modes, not one backend of a
+    pair."""
+    if min_child_s <= 0:
+        return children
+    fit = int(left_s // min_child_s) - starts_before
+    if fit >= len(children):
+        return children
+    return children[:max(group_size, fit // group_size * group_size)]
+
+
 def run_parent(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1164,12 +1179,19 @@ def run_parent(a) -> int:
     shared_root = None
     if a.triton_cache == "shared":
         shared_root = Path(a.triton_cache_dir or tempfile.mkdtemp(prefix="evenkv-triton-shared-"))
-    children = child_order(split_list([a.backends]), a.modes, split_list([a.shapes]), a.repeats, a.first)
-    starts = len(children) + bool(a.untimed_start and children)
+    backends = split_list([a.backends])
+    planned = child_order(backends, a.modes, split_list([a.shapes]), a.repeats, a.first)
+    untimed = int(a.untimed_start and bool(planned))
     left = t_end - time.time()
-    if starts * a.min_child > left:
-        print(f"[serving] WARNING: {left:.0f} s of --budget left for {starts} engine starts x --min-child "
-              f"{a.min_child:.0f} s: children are skipped from the first on until the rest fit", flush=True)
+    if (len(planned) + untimed) * a.min_child > left:
+        print(f"[serving] WARNING: {left:.0f} s of --budget left for {len(planned) + untimed} engine starts x "
+              f"--min-child {a.min_child:.0f} s: whole groups of backends are left out from the end, then "
+              f"children skipped from the first on until the rest fit", flush=True)
+    children = children_that_fit(planned, len(backends), untimed, left, a.min_child)
+    for c in planned[len(children):]:
+        print(f"[serving] SKIPPED {a.engine} {c.mode} {c.shape} {c.backend} (repeat {c.repeat}, start "
+              f"{c.start_order}): its group left out for the budget", flush=True)
+        failed += 1
     if a.untimed_start and children:
         untimed_start(a, children[0], out, child_deadline(t_end - time.time(), len(children) + 1, a.min_child))
     for k, c in enumerate(children):
@@ -1273,7 +1295,9 @@ def parse_args(argv=None):
                            help="start and stop the first child's engine once, untimed, before the timed children "
                                 "(a freshly started machine's first engine start can be tens of seconds slower)")
             p.add_argument("--min-child", type=float, default=120,
-                           help="seconds kept for each child still to start; a child with less left is skipped")
+                           help="seconds kept for each child still to start; where --budget cannot keep them "
+                                "for all, the last whole groups of backends are left out, and a child with less "
+                                "left is skipped")
             p.add_argument("--note", action="append", default=[], help="a line for summary.md (repeatable)")
             p.set_defaults(engine=name)
     p = sub.add_parser("report")

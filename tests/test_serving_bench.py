@@ -376,6 +376,19 @@ def test_a_child_may_run_into_later_shares_but_not_their_minimum():
     assert serving.child_deadline(100, 3, 40) == 20  # below --min-child: the parent skips it
 
 
+def test_a_short_budget_leaves_out_whole_groups_from_the_end():
+    """Where the budget cannot keep --min-child for every start, the last (repeat, mode, shape)
+    groups go, not the first child, which would leave its group's other backends unpaired."""
+    kids = serving.child_order(["evenkv", "FLASH_ATTN"], ["default"], ["s"], 2, first="FLASH_ATTN")
+    assert serving.children_that_fit(kids, 2, 0, 600, 150) == kids  # 4 starts fit
+    assert serving.children_that_fit(kids, 2, 0, 556, 150) == kids[:2]  # 3 fit: one whole pair
+    assert [c.backend for c in kids[:2]] == ["FLASH_ATTN", "evenkv"]
+    assert serving.children_that_fit(kids, 2, 1, 600, 150) == kids[:2]  # an untimed start takes one share
+    assert serving.children_that_fit(kids, 2, 0, 100, 150) == kids[:2]  # at least the first group
+    three = serving.child_order(["evenkv", "fa3", "triton"], ["default", "batch-invariant"], ["s"], 1)
+    assert serving.children_that_fit(three, 3, 0, 5 * 120, 120) == three[:3]
+
+
 def test_vllm_arguments_per_mode(tmp_path):
     default = serving.EngineSetup()
     kw = serving.vllm_llm_kwargs(tmp_path, "CUSTOM", 9000, 48, 0.8, default)
@@ -590,6 +603,24 @@ def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, 
     assert re.search(r"WARNING: (99|100) s of --budget left for 2 engine starts x --min-child 60 s", printed)
     assert "SKIPPED sglang default qwen3-30b-a3b-attn evenkv" in printed
     assert [r["backend"] for r in serving.read_rows(out / "serving.csv")] == ["fa3"]
+
+
+def test_a_budget_short_of_two_repeats_runs_the_first_pair_whole(tmp_path, monkeypatch, capsys):
+    """Two repeats of a pair at --min-child 60 in 200 s: the second repeat's group is left out,
+    and both backends of the first run (not the first child skipped and three run unpaired)."""
+    child = ("import json, sys\n"
+             "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+             "open(a['--json'], 'w').write(json.dumps([{'engine': 'sglang', 'backend': a['--backend'], "
+             "'workload': 'chat', 'status': 'ok'}]))\n")
+    monkeypatch.setattr(serving, "child_cmd", lambda a, c, rows_json, startup_file: [
+        sys.executable, "-c", child, "--backend", c.backend, "--json", str(rows_json)])
+    monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)  # the untimed engine import
+    out = tmp_path / "run"
+    assert serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--first", "fa3", "--repeats", "2",
+                         "--min-child", "60", "--budget", "200"]) == 1
+    printed = capsys.readouterr().out
+    assert printed.count("SKIPPED") == 2 and "(repeat 2, start 3)" in printed and "(repeat 2, start 4)" in printed
+    assert [r["backend"] for r in serving.read_rows(out / "serving.csv")] == ["fa3", "evenkv"]
 
 
 def test_untimed_start_runs_first_and_writes_no_row(tmp_path, monkeypatch):
