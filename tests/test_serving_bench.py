@@ -586,9 +586,9 @@ def test_parent_runs_children_in_turn_with_their_triton_caches(tmp_path, monkeyp
     assert (out / "summary.md").exists()
 
 
-def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, monkeypatch, capsys):
-    """Two children at --min-child 60 in 100 s: the parent says so before starting, skips the
-    first (40 s would be left for it) and runs the second."""
+@pytest.fixture
+def row_writing_children(monkeypatch):
+    """Children that write one ok row for their backend and exit at once; no engine import."""
     child = ("import json, sys\n"
              "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
              "open(a['--json'], 'w').write(json.dumps([{'engine': 'sglang', 'backend': a['--backend'], "
@@ -596,6 +596,11 @@ def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, 
     monkeypatch.setattr(serving, "child_cmd", lambda a, c, rows_json, startup_file: [
         sys.executable, "-c", child, "--backend", c.backend, "--json", str(rows_json)])
     monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)  # the untimed engine import
+
+
+def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, row_writing_children, capsys):
+    """Two children at --min-child 60 in 100 s: the parent says so before starting, skips the
+    first (40 s would be left for it) and runs the second."""
     out = tmp_path / "run"
     assert serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--first", "evenkv",
                          "--min-child", "60", "--budget", "100"]) == 1
@@ -605,16 +610,9 @@ def test_a_budget_short_of_every_child_warns_and_skips_from_the_first(tmp_path, 
     assert [r["backend"] for r in serving.read_rows(out / "serving.csv")] == ["fa3"]
 
 
-def test_a_budget_short_of_two_repeats_runs_the_first_pair_whole(tmp_path, monkeypatch, capsys):
+def test_a_budget_short_of_two_repeats_runs_the_first_pair_whole(tmp_path, row_writing_children, capsys):
     """Two repeats of a pair at --min-child 60 in 200 s: the second repeat's group is left out,
     and both backends of the first run (not the first child skipped and three run unpaired)."""
-    child = ("import json, sys\n"
-             "a = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
-             "open(a['--json'], 'w').write(json.dumps([{'engine': 'sglang', 'backend': a['--backend'], "
-             "'workload': 'chat', 'status': 'ok'}]))\n")
-    monkeypatch.setattr(serving, "child_cmd", lambda a, c, rows_json, startup_file: [
-        sys.executable, "-c", child, "--backend", c.backend, "--json", str(rows_json)])
-    monkeypatch.setattr(serving.subprocess, "run", lambda *args, **kw: None)  # the untimed engine import
     out = tmp_path / "run"
     assert serving.main(["sglang", "--out", str(out), "--backends", "evenkv,fa3", "--first", "fa3", "--repeats", "2",
                          "--min-child", "60", "--budget", "200"]) == 1
