@@ -753,7 +753,7 @@ def test_startup_stretches_between_timestamped_log_lines():
 
 
 def test_memory_fraction_per_engine_and_mode(tmp_path):
-    assert serving.memory_fraction("sglang", "spec-ngram", None) == 0.85
+    assert serving.memory_fraction("sglang", "spec-ngram", None) == 0.8
     assert serving.memory_fraction("sglang", "default", None) == 0.9
     assert serving.memory_fraction("vllm", "spec-ngram", None) == 0.9
     assert serving.memory_fraction("sglang", "spec-ngram", 0.7) == 0.7
@@ -764,9 +764,9 @@ def test_memory_fraction_per_engine_and_mode(tmp_path):
     cmd = serving.child_cmd(fp8, child, tmp_path / "r.json", tmp_path / "s.txt")
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
     assert serving.child_setup(serving.parse_args(cmd[3:])).kv_cache_dtype == "fp8"
-    a = serving.parse_args(["sglang", "--out", str(tmp_path), "--mem", "0.8"])
+    a = serving.parse_args(["sglang", "--out", str(tmp_path), "--mem", "0.75"])
     cmd = serving.child_cmd(a, child, tmp_path / "r.json", tmp_path / "s.txt")
-    assert cmd[cmd.index("--mem") + 1] == "0.8"
+    assert cmd[cmd.index("--mem") + 1] == "0.75"
 
 
 def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypatch):
@@ -787,7 +787,7 @@ def test_a_child_whose_engine_fails_keeps_a_row_per_workload(tmp_path, monkeypat
     assert [r["workload"] for r in rows] == ["chat", "long-mix"]
     for r in rows:
         assert r["status"] == "error: RuntimeError: the server exited with 3 before it was ready"
-        assert r["backend"] == "fa3" and r["mode"] == "spec-ngram" and r["mem_fraction"] == 0.85
+        assert r["backend"] == "fa3" and r["mode"] == "spec-ngram" and r["mem_fraction"] == 0.8
         assert r["engine_version"] == "0-test" and r["triton_cache"] == "cold" and "startup_s" not in r
         assert r["kv_cache_dtype"] == "auto"
         assert set(r) <= set(serving.COLUMNS), set(r) - set(serving.COLUMNS)  # the CSV keeps every field
