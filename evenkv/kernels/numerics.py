@@ -99,10 +99,15 @@ def e4m3_pairs_to_fp16(x):
     Reading an FP8 tile as int16 pairs lets Triton stage and load it as a 16-bit tile (ldmatrix)
     in the layout of a 16-bit dot operand; a tile of bytes reaches that layout through one
     shared-memory load per byte. The pair splits a row's elements into its even and odd ones,
-    which the dots take as two halves. One ``cvt`` widens both bytes."""
+    which the dots take as two halves. Compiled, each call takes two neighbouring pairs (one
+    32-bit register): one byte permute gathers their low bytes into one half and their high
+    bytes into the other, so each ``cvt`` writes two elements of one output, already packed
+    as the dot reads them (one ``cvt`` per pair would leave two half-registers to repack)."""
     if INTERPRETER:
         low = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         high = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         return low, high
-    return tl.inline_asm_elementwise("{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }",
-                                     "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
