@@ -192,7 +192,7 @@ _DECODE_MANY_SEGMENTS = {
 # (docs/tuning.md "Decode, FP8 caches"). Rows not listed here use the main table's.
 _DECODE_FP8 = {
     "sm90": {
-        "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=3, max_ctas_per_sm=4,
+        "d128": DecodeConfig("sm90-d<=128-fp8", block_n=128, num_warps=4, num_stages=2, max_ctas_per_sm=4,
                              max_registers=128, programmatic_launch=True, segment_loops=True),
         "d256": DecodeConfig("sm90-d256-fp8", block_n=32, num_warps=4, num_stages=3, max_ctas_per_sm=4,
                              max_registers=128, programmatic_launch=True, segment_loops=True),
