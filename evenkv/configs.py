@@ -282,6 +282,31 @@ def max_tile_rows(arch: str, head_dim: int) -> int:
     return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)])
 
 
+# Asked to (``DecodeAttention(pack_kv_heads=True)``), plain decode rows of head dim 64 over an
+# FP8 cache walk two neighbouring KV heads as one head of 128 columns whose rows hold both heads'
+# G query heads, when 2 x G still fits the 16-row MMA minimum that pads them anyway: the tile then
+# loads 128 bytes of each token per head pair (one head's 64-byte rows of a token-major FP8 cache
+# cap the loads far below the copy bandwidth), and one softmax step covers two heads
+# (docs/tuning.md, "Two KV heads of 64 as one"). A bf16 cache's rows are 128 bytes already, and
+# its packed tile spills in the 96-register many-segments row: it walks each head alone.
+PACKED_HEAD_DIM = 64
+PACKED_TILE_ROWS = 16
+
+
+def kv_head_pack(arch: str, num_q_heads: int, num_kv_heads: int, head_dim: int, max_q_len: int,
+                 deterministic: bool, kv_fp8: bool) -> int:
+    """KV heads a decode segment reads as one (``decode_launch.QueryRows.head_pack``): 2 for
+    plain decode rows (``max_q_len`` 1) over an FP8 cache (``kv_fp8``) of head dim
+    PACKED_HEAD_DIM with an even Hkv and 2 G <= PACKED_TILE_ROWS, where ``arch`` has an FP8 row
+    for twice that head dim (sm90), outside deterministic mode (whose per-chunk partials would
+    double); else 1."""
+    group = num_q_heads // num_kv_heads
+    packs = (kv_fp8 and head_dim == PACKED_HEAD_DIM and num_kv_heads % 2 == 0 and 2 * group <= PACKED_TILE_ROWS
+             and max_q_len == 1 and not deterministic
+             and head_dim_class(2 * head_dim) in _DECODE_FP8.get(check_arch(arch), {}))
+    return 2 if packs else 1
+
+
 def decode_config(arch: str, head_dim: int, page_size: int, kv_fp8: bool = False,
                   rows: int | None = None) -> DecodeConfig:
     """The decode config of ``arch`` for ``head_dim`` and ``page_size`` (and an FP8 cache):

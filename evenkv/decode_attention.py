@@ -29,7 +29,7 @@ from .checks import (FP8_KV_DTYPES, INDEX_DTYPES, SUPPORTED_DTYPES, PlanRecord, 
                      decode_caches, normalize_logit_cap, normalize_window, output_like, resolve_device,
                      resolve_kv_dtype, resolve_sm_scale)
 from .configs import (MANY_SEGMENTS_PER_CTA, DecodeConfig, debug_enabled, decode_config, env_flag, is_interpreter,
-                      many_segments_config, max_tile_rows, resolve_arch, same_tile, sm_count)
+                      kv_head_pack, many_segments_config, max_tile_rows, resolve_arch, same_tile, sm_count)
 from .errors import LENGTH_OUT_OF_RANGE, QUERY_OUT_OF_RANGE, error_flag
 from .planning import (DETERMINISTIC_MAX_SPLITS, DETERMINISTIC_MIN_CHUNK_TOKENS, PLAN_SCALARS, DecodePlan,
                        StreamSchedule, UnitSchedule, decode_query_lens, deterministic_chunk_capacity,
@@ -94,6 +94,11 @@ class DecodeAttention:
             tree-masked variants of their buckets are built. A tree token sits at the prefix's
             end plus its depth (its mask's bits less one), where a sliding window, which must
             then be at least max_q_len, starts from.
+        pack_kv_heads: walk plain decode rows of head dim 64 over an FP8 cache as packs of two
+            neighbouring KV heads, each pack one head of 128 columns, where
+            ``evenkv.configs.kv_head_pack`` allows it (``self.head_pack``); ``config`` then names
+            a row of the packed head dim. Off by default: its compiled loop is measured, its
+            time on a GPU not yet (docs/tuning.md, "Two KV heads of 64 as one").
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -102,7 +107,7 @@ class DecodeAttention:
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
                  max_total_tokens: int = 1 << 21, debug: bool | None = None, sliding_window: int | None = None,
                  logit_cap: float | None = None, kv_dtype: torch.dtype | None = None, max_q_len: int = 1,
-                 q_lens: Sequence[int] | None = None, tree_masks: bool = False):
+                 q_lens: Sequence[int] | None = None, tree_masks: bool = False, pack_kv_heads: bool = False):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)
@@ -140,8 +145,17 @@ class DecodeAttention:
         self.arch = resolve_arch(arch, self.device)
         check_max_q_len(max_q_len, self.group_size, head_dim, self.arch)
         self._fp8 = self.kv_dtype in FP8_KV_DTYPES
+        if not isinstance(pack_kv_heads, bool):
+            raise TypeError(f"pack_kv_heads: expected bool, got {type(pack_kv_heads).__name__}")
+        # The geometry the kernels walk: packs of head_pack KV heads (``QueryRows.head_pack``).
+        self.head_pack = kv_head_pack(self.arch, num_q_heads, num_kv_heads, head_dim, self.max_q_len,
+                                      deterministic, self._fp8) if pack_kv_heads else 1
+        self._walk_kv_heads = num_kv_heads // self.head_pack
+        self._walk_group = self.group_size * self.head_pack
+        self._walk_head_dim = head_dim * self.head_pack
         self._forced_config = config
-        self.config = config if config is not None else decode_config(self.arch, head_dim, page_size, self._fp8)
+        self.config = config if config is not None else decode_config(self.arch, self._walk_head_dim, page_size,
+                                                                      self._fp8)
         self.debug = debug_enabled(debug)
         self._on_gpu = self.device.type == "cuda" and not is_interpreter()
         check_fp8_capable(self.kv_dtype, self.device)
@@ -162,7 +176,7 @@ class DecodeAttention:
         self.warmed_up = False  # set by warmup()
         # Each q-length bucket's (config, grid) and, where the table has one, its many-segments
         # row and grid for batches of many short segments (see launch_config).
-        self._slot_rows = self.group_size * self.max_q_len
+        self._slot_rows = self._walk_group * self.max_q_len
         self._variants = {}
         # Deterministic mode runs every batch on one q-length variant, that of the longest rows:
         # its tile (rows, block_n, warps) sets the arithmetic. The chunks do not depend on the
@@ -197,16 +211,17 @@ class DecodeAttention:
         self._merge_units_grid = self.num_sms * launch.MERGE_UNITS_CTAS_PER_SM
         # The most splits (chunks) of a request merge_units_kernel merges in items of all its
         # head-dim columns; the planners list requests of more apart.
-        self._whole_merge_splits = launch.merge_units_constants(num_kv_heads, self.group_size, head_dim,
-                                                                self._query(1))["WHOLE_P"]
+        self._whole_merge_splits = launch.merge_units_constants(self._walk_kv_heads, self._walk_group,
+                                                                self._walk_head_dim, self._query(1))["WHOLE_P"]
         slots = self._partial_slots()
-        self._o_part = torch.empty(slots * self._slot_rows * head_dim, dtype=torch.float32, device=self.device)
+        self._o_part = torch.empty(slots * self._slot_rows * self._walk_head_dim, dtype=torch.float32,
+                                   device=self.device)
         self._lse_part = torch.empty(slots * self._slot_rows, dtype=torch.float32, device=self.device)
 
     # -- workspaces and variants ---------------------------------------------------
 
     def _query(self, bucket: int, tree: bool = False) -> launch.QueryRows:
-        return launch.QueryRows(bucket, self._slot_rows, tree)
+        return launch.QueryRows(bucket, self._slot_rows, tree, self.head_pack)
 
     def _probe_query(self, bucket: int) -> launch.QueryRows:
         """The rows of the bucket's kernel that sets its grid: tree-masked where the object's
@@ -258,7 +273,7 @@ class DecodeAttention:
         """The many-segments row of a q-length bucket whose main row is ``config``, or None
         (none in the table, or, in deterministic mode, one of another tile)."""
         rows = launch.tile_rows(self.group_size, bucket) if bucket > 1 else None
-        many = many_segments_config(self.arch, self.head_dim, self.page_size, self._fp8, rows)
+        many = many_segments_config(self.arch, self._walk_head_dim, self.page_size, self._fp8, rows)
         return None if many is None or (deterministic and not same_tile(many, config)) else many
 
     def _allocate_schedule(self):
@@ -285,11 +300,11 @@ class DecodeAttention:
         may be cut; for the largest of its grids), or one per chunk and KV head in
         deterministic mode; one per (split, head) unit for the unit queue, none for direct."""
         if self._kind == "stream" and self.deterministic:
-            return self._chunking()[2] * self.num_kv_heads
+            return self._chunking()[2] * self._walk_kv_heads
         if self._kind == "stream":
             return 2 * self._max_ctas
         if self._kind == "units":
-            return self._schedule.unit_req.shape[0] * self.num_kv_heads
+            return self._schedule.unit_req.shape[0] * self._walk_kv_heads
         return 0
 
     def _chunking(self, config: DecodeConfig | None = None) -> tuple[int, int, int, int]:
@@ -310,7 +325,7 @@ class DecodeAttention:
         kernels that set the grids."""
         self._resolve_grids()
         config, grid, many = self._variants[self._bucket(q_len)]
-        if many is not None and batch_size * self.num_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
+        if many is not None and batch_size * self._walk_kv_heads >= MANY_SEGMENTS_PER_CTA * grid:
             return many
         return config, grid
 
@@ -348,16 +363,16 @@ class DecodeAttention:
             schedule = StreamSchedule(*[lens] * 8, num_ctas=1)
             if merge and self.deterministic:
                 launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
-                                          query, self.num_kv_heads, 1, 0, pdl, warmup=True)
+                                          query, self._walk_kv_heads, 1, 0, pdl, warmup=True)
             elif merge:
-                launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self.num_kv_heads,
+                launch.launch_merge_stream(scratch, scratch, t["out"], schedule, terms, query, self._walk_kv_heads,
                                            config, pdl, warmup=True)
             return launch.launch_decode_stream(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens,
                                                lens, lens, lens, t["page_table"], schedule, self._errors, terms, query,
                                                self.page_size, config, pdl, self.deterministic, warmup=True)
         if merge and self._kind == "units":
             launch.launch_merge_units(scratch, scratch, t["out"], lens, lens, lens, lens, lens, lens, terms.sinks,
-                                      query, self.num_kv_heads, 1, 0, warmup=True)
+                                      query, self._walk_kv_heads, 1, 0, warmup=True)
         return launch.launch_decode_units(t["q"], t["k_cache"], t["v_cache"], t["out"], scratch, scratch, lens, lens,
                                           lens, t["page_table"], lens, lens, lens, lens, lens, torch.zeros(2, **i32),
                                           self._errors, terms, query, 1, self._kind == "units", self.page_size, config,
@@ -379,7 +394,7 @@ class DecodeAttention:
                 for config, ctas, multi_q in plans if self._kind == "stream" else []:
                     plan_launch.launch_plan_stream(
                         lens, self._row_per_request, self._plan_seq_lens, self._grid_schedules[ctas], self._errors, 1,
-                        self.sliding_window or 0, 1, multi_q, self.num_sms, self.num_kv_heads, config.block_n,
+                        self.sliding_window or 0, 1, multi_q, self.num_sms, self._walk_kv_heads, config.block_n,
                         self.max_batch_size, self.num_ctas, self._chunking(config) if self.deterministic else None,
                         warmup=True)
 
@@ -507,7 +522,7 @@ class DecodeAttention:
             schedule = self._grid_schedules[ctas]
             plan_launch.launch_plan_stream(seq_lens, cu_seqlens_q, plan_seq_lens, schedule, self._errors, capacity,
                                            self.sliding_window or 0, q_len, bucket > 1, self.num_sms,
-                                           self.num_kv_heads, config.block_n, self.max_batch_size, self.num_ctas,
+                                           self._walk_kv_heads, config.block_n, self.max_batch_size, self.num_ctas,
                                            self._chunking(config) if self.deterministic else None)
         elif batch > 0:
             plan_seq_lens.copy_(seq_lens.clamp(0, capacity))
@@ -519,7 +534,7 @@ class DecodeAttention:
             if self._kind == "units":
                 # The units are split by the tiles each row reads (a window's, ``row_window``).
                 plan_fa3_units(visible_keys(plan_seq_lens, q_lens, self.sliding_window), self._schedule,
-                               block_n=config.block_n, num_kv_heads=self.num_kv_heads, num_sms=self.num_sms,
+                               block_n=config.block_n, num_kv_heads=self._walk_kv_heads, num_sms=self.num_sms,
                                whole_splits=self._whole_merge_splits)
         query = self._query(bucket, tree)
         self._plan = self._plans.add(DecodePlan(batch, plan_seq_lens, page_table, schedule, config, cu_seqlens_q,
@@ -591,7 +606,7 @@ class DecodeAttention:
 
     def run_unchecked(self, plan: DecodePlan, q, k_cache, v_cache, out, terms: launch.LayerTerms) -> torch.Tensor:
         """``run`` after its checks and the page audit (``evenkv.Attention`` calls this)."""
-        hkv = self.num_kv_heads
+        hkv = self._walk_kv_heads
         s, query, cu, tree = plan.schedule, plan.query, plan.cu_seqlens_q, plan.tree_mask
         errors = self._errors
         if self._kind == "stream":

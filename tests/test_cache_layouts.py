@@ -60,6 +60,22 @@ def test_decode_reads_every_page_layout(device, layout, kv_dtype):
     assert torch.equal(attn.run(plan, q, kl, vl, **scales), want)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_kv_heads_read_every_page_layout(device, layout):
+    """Two KV heads walked as one (head dim 64 over an FP8 cache): side by side in the slot
+    cache, a head stride apart in the other layouts (vLLM's K and V halves among them), bitwise
+    the same result."""
+    q, kc, vc, seq_lens, pt, _ = verify_batch([150, 9, 0, 33], [1] * 4, HQ, HKV, D, PAGE, torch.bfloat16, device)
+    kc, vc, scales = _caches(kc, vc, "fp8")
+    kl, vl = laid_out(kc, vc, layout)
+    attn = evenkv.DecodeAttention(HQ, HKV, D, PAGE, torch.bfloat16, device, 4, pt.shape[1], num_ctas=5,
+                                  kv_dtype=kc.dtype, pack_kv_heads=True)
+    assert attn.head_pack == 2
+    plan = attn.plan(seq_lens, pt)
+    want = attn.run(plan, q, kc, vc, **scales).clone()
+    assert torch.equal(attn.run(plan, q, kl, vl, **scales), want)
+
+
 def test_k_and_v_in_different_layouts(device):
     """K stored NHD beside V stored HND: each cache is addressed with its own strides."""
     q, kc, vc, seq_lens, pt, _ = verify_batch([150, 9, 33], [1] * 3, HQ, HKV, D, PAGE, torch.bfloat16, device)

@@ -370,8 +370,27 @@ def test_fp8_rows_compile_over_head_major_pages(head_dim, num_kv_heads, group):
                         layer_terms=True, kv_fp8=True, page_gap=True)
 
 
+@pytest.mark.parametrize("layer_terms,gap", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "terms", "gap", "terms-gap"])
+def test_packed_kv_heads_compile_within_the_rows(layer_terms, gap):
+    """gpt-oss-20b's plain decode rows over an FP8 cache (8 KV heads of 64, G = 8) walk packs of
+    two heads as 4 heads of 128 columns with 16 query rows each, on head dim 128's sm90 FP8 rows
+    (main and many-segments): those builds, with the heads of a pack side by side or a head
+    stride apart (PACK_GAP, over HND pages), still fit their CTAs per SM with no local memory in
+    the tile loop."""
+    from evenkv.configs import decode_config, kv_head_pack, many_segments_config
+    from evenkv.kernels.decode_launch import QueryRows
+    pack = kv_head_pack("sm90", 64, 8, 64, 1, False, kv_fp8=True)
+    assert pack == 2
+    query = QueryRows(1, 8 * pack, head_pack=pack)
+    rows = {decode_config("sm90", 64 * pack, 16, True), many_segments_config("sm90", 64 * pack, 16, True)}
+    for cfg in rows - {None}:
+        _check_row_compiles(cfg, 90, 64 * pack, 8 // pack, 8 * pack, layer_terms=layer_terms, kv_fp8=True,
+                            query=query, deterministic=False, page_gap=gap, pack_gap=gap)
+
+
 def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=False, kv_fp8=False, query=None,
-                        deterministic=True, spills=False, page_gap=False):
+                        deterministic=True, spills=False, page_gap=False, pack_gap=False):
     """The stream decode kernel of ``cfg`` (for ``query``'s rows; default plain decode) fits the row's
     resident CTAs per SM with no local memory in its tile loop (unless ``spills``: a row timed
     faster with its spills), and so does its deterministic variant (``deterministic``: for the
@@ -382,7 +401,7 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers is not None:
         options["maxnreg"] = cfg.max_registers
-    terms = dict(SOFTCAP=layer_terms, HAS_SINKS=layer_terms, KV_FP8=kv_fp8, PAGE_GAP=page_gap)
+    terms = dict(SOFTCAP=layer_terms, HAS_SINKS=layer_terms, KV_FP8=kv_fp8, PAGE_GAP=page_gap, PACK_GAP=pack_gap)
     cache = dict(fp8=["k_ptr", "v_ptr"], bf16=["q_ptr", "out_ptr", "sinks_ptr"]) if kv_fp8 else \
         dict(bf16=["q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr"])
     common = dict(cache, fp32_ptrs=["o_part_ptr", "lse_part_ptr"], fp32=["qk_scale", "cap_scale", "v_scale"],
@@ -421,7 +440,9 @@ def _check_row_compiles(cfg, cap, head_dim, num_kv_heads, group, layer_terms=Fal
                                 variants=[dict(cap=cap, consts=consts, options=dict(num_warps=warps))]))
         # A verify row's stream merge with sinks keeps one 8-byte value on the stack (its
         # all-rows step is [2, 16, 128] at G = 8, q_len 2); it runs once per segment, not per tile.
-        allowed = 8 if (query.multi_q and layer_terms and name == "merge_stream_kernel") else 0
+        # So does the packed rows' (two heads' 8 query rows: [2, 16, 128] too).
+        allowed = 8 if ((query.multi_q or query.head_pack > 1) and layer_terms and name == "merge_stream_kernel") \
+            else 0
         assert r["stack"] <= allowed, f"{name}: {r}"
         assert not r["stack_pointer_data_reads"], f"{name} miscompiled: {r['stack_pointer_data_reads']}"
 

@@ -47,6 +47,60 @@ def test_every_policy_with_all_features(device, policy, deterministic):
     _run_case(device, policy, FEATURES["all"], deterministic=deterministic)
 
 
+# gpt-oss-20b's grouping (G = 8) at head dim 64, on fewer heads.
+PACK_HQ, PACK_HKV = 16, 2
+
+
+@pytest.mark.parametrize("policy", ["balanced", "fa3", "none"])
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_packed_kv_heads_match_the_reference(device, policy, features):
+    """Over an FP8 cache head dim 64 walks two KV heads as one of 128 columns (G = 8: both
+    heads' 8 query rows fill the 16-row tile): every row against its own head's keys only, with
+    each layer term, within the tolerance of the reference, as the one-head walk is."""
+    terms = FEATURES["all"] if features == "all" else FEATURES["fp8"]
+    q, kc, vc, seq_lens, pt = make_paged_batch(LENS, PACK_HQ, PACK_HKV, D, PAGE, torch.bfloat16, device, seed=5)
+    layer = dict(sliding_window=terms.get("sliding_window"), logit_cap=terms.get("logit_cap"))
+    kc, vc, run = call_terms(terms, kc, vc, device)
+    if "sinks" in run:
+        run["sinks"] = torch.linspace(-2.0, 3.0, PACK_HQ, device=device)
+    for pack in (True, False):
+        attn = evenkv.DecodeAttention(PACK_HQ, PACK_HKV, D, PAGE, torch.bfloat16, device, 8, pt.shape[1], policy,
+                                      num_ctas=5, kv_dtype=kc.dtype, pack_kv_heads=pack, **layer)
+        assert attn.head_pack == (2 if pack else 1)
+        out = attn.run(attn.plan(seq_lens, pt), q, kc, vc, **run)
+        assert_close_to_reference(out, q, kc, vc, seq_lens, pt, PAGE, **layer, **run)
+        assert torch.all(out[seq_lens == 0] == 0)
+
+
+@pytest.mark.parametrize("case,ctor,packs", [
+    ("gpt-oss", dict(num_q_heads=64, num_kv_heads=8), True),
+    ("bf16 cache", dict(num_q_heads=64, num_kv_heads=8, kv_dtype=torch.bfloat16), False),
+    ("G 2", dict(num_q_heads=4, num_kv_heads=2), True),
+    ("G 16: 32 rows", dict(num_q_heads=32, num_kv_heads=2), False),
+    ("odd Hkv", dict(num_q_heads=24, num_kv_heads=3), False),
+    ("head dim 128", dict(num_q_heads=64, num_kv_heads=8, head_dim=128), False),
+    ("verify rows", dict(num_q_heads=64, num_kv_heads=8, max_q_len=2), False),
+    ("deterministic", dict(num_q_heads=64, num_kv_heads=8, deterministic=True), False),
+    ("sm80 table", dict(num_q_heads=64, num_kv_heads=8, arch="sm80"), False),
+    ("not asked", dict(num_q_heads=64, num_kv_heads=8, pack_kv_heads=False), False),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_which_batches_pack_kv_heads(device, case, ctor, packs):
+    """Asked to (``pack_kv_heads``, off by default), an object packs plain decode rows of head dim
+    64 over an FP8 cache whose two heads' query rows fit 16, on a table with an FP8 row of head
+    dim 128 (sm90), outside deterministic mode, and plans on that row."""
+    kw = dict(head_dim=D, page_size=PAGE, dtype=torch.bfloat16, device=device, max_batch_size=4,
+              max_pages_per_request=8, kv_dtype=FP8, pack_kv_heads=True) | ctor
+    attn = evenkv.DecodeAttention(**kw)
+    assert attn.head_pack == (2 if packs else 1)
+    if packs:
+        assert attn.config == evenkv.decode_config(attn.arch, 2 * D, PAGE, kv_fp8=True)
+
+
+def test_kv_heads_walk_alone_by_default(device):
+    attn = evenkv.DecodeAttention(64, 8, D, PAGE, torch.bfloat16, device, 4, 8, kv_dtype=FP8)
+    assert attn.head_pack == 1 and attn.config == evenkv.decode_config(attn.arch, D, PAGE, kv_fp8=True)
+
+
 def test_sink_limits(device):
     """A sink far above every score takes all the weight (output ~0); one far below takes
     none (the output is the no-sink output, bitwise: its exp2 underflows to 0)."""

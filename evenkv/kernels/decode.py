@@ -121,9 +121,33 @@ def _row_offsets(row, stride, MULTI_Q: tl.constexpr):
 
 
 @triton.jit
+def _own_columns(g, offs_d, G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PACK: tl.constexpr):
+    """A packed tile's columns as q and out hold them: rows of query head offset g ([ROWS])
+    belong to the pack's KV head g // (G / HEAD_PACK), whose HEAD_DIM / HEAD_PACK columns are
+    that head's share of the tile's. Returns ([ROWS, COLS] column of q's and out's rows for
+    each tile column ``offs_d`` [COLS], [ROWS, COLS] whether it is the row's own head's)."""
+    cols = offs_d[None, :] - (g // (G // HEAD_PACK))[:, None] * (HEAD_DIM // HEAD_PACK)
+    return cols, (cols >= 0) & (cols < HEAD_DIM // HEAD_PACK)
+
+
+@triton.jit
+def _pack_columns(offs, head_stride, COLS_PER_HEAD: tl.constexpr, PACK_GAP: tl.constexpr):
+    """Offsets in a cache row of a packed tile's columns ``offs``: column c is column
+    c % COLS_PER_HEAD of the pack's (c // COLS_PER_HEAD)-th KV head, head_stride apart. Heads
+    stored side by side (no PACK_GAP: SGLang's pools) are the columns themselves, so the
+    loads take their addresses as the unpacked tile does; a gap (vLLM's K and V halves, HND
+    pages) costs a runtime offset for the second head's columns."""
+    if PACK_GAP:
+        cols = (offs // COLS_PER_HEAD) * head_stride + offs % COLS_PER_HEAD
+    else:
+        cols = offs
+    return cols
+
+
+@triton.jit
 def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
             G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
+            KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """The segment's tile rows of q ([ROWS, BLOCK_D], ``_row_fields``) as stored. Plain decode:
     absent rows (past G) are zero. Verify rows: a row past the request's q_len re-reads its
     last token (it only pads the dot and is never stored), so the load needs no per-row mask
@@ -136,7 +160,13 @@ def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
     rounding step. KV_FP8: q * FP8_Q_PRESCALE in fp16, the dtype an FP8 cache is widened
     to (one conversion instruction per two values; to bf16 it takes four); the prescale
     keeps bf16 queries up to 2**20 in fp16's range, and the host folds its inverse into
-    qk_scale."""
+    qk_scale.
+
+    HEAD_PACK > 1 (plain decode rows only): the tile holds the G / HEAD_PACK query heads of
+    each of HEAD_PACK neighbouring KV heads, each in its own head's HEAD_DIM / HEAD_PACK
+    columns and zero in the others (``_own_columns``), so one dot over all columns scores
+    every row against its own head's keys only."""
+    tl.static_assert(HEAD_PACK == 1 or not MULTI_Q, "packed KV heads take plain decode rows only")
     offs_d = tl.arange(0, BLOCK_D)
     if MULTI_Q:
         offs = tl.arange(0, ROWS)
@@ -150,9 +180,13 @@ def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
             q = tl.load(ptrs, mask=in_range & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
         row, g, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
-        mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
-        ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + \
-            offs_d[None, :]
+        if HEAD_PACK > 1:
+            cols, own = _own_columns(g, offs_d, G, HEAD_DIM, HEAD_PACK)
+            mask = present[:, None] & own
+        else:
+            cols = offs_d[None, :]
+            mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+        ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + cols
         q = tl.load(ptrs, mask=mask, other=0.0)
     if KV_FP8:
         q = (q.to(tl.float32) * FP8_Q_PRESCALE).to(tl.float16)
@@ -213,15 +247,16 @@ def _token_rows(head_ptr, page, tok, stride_off, stride_page, PAGE_SIZE: tl.cons
 
 
 @triton.jit
-def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot, stride_v_page, page_row_ptr, tok0,
-                 seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G: tl.constexpr,
-                 ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr,
-                 TREE: tl.constexpr):
+def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page,
+                 stride_v_head, page_row_ptr, tok0, seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale, m, l,
+                 acc, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+                 MULTI_Q: tl.constexpr, TREE: tl.constexpr, HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr):
     """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
     tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
     page-table tail and the unused part of the last page are never read; MULTI_Q: each row
-    sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head. An FP8
+    sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head (its
+    first, whose HEAD_PACK heads' rows the tile's columns hold, ``_pack_columns``). An FP8
     cache is read as int16 pairs and widened to q's dtype (fp16, see ``_load_q``) in registers
     (``e4m3_pairs_to_fp16``): each dot runs as two, over the even and the odd elements of the
     head dim, so the staged tiles reach the dots through ldmatrix; its scales are folded into
@@ -241,12 +276,14 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot,
     # One unsigned compare covers negative ids too.
     key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     KV_FP8: tl.constexpr = k_head.dtype.element_ty == tl.float8e4nv
+    tl.static_assert(HEAD_PACK == 1 or KV_FP8, "packed KV heads read FP8 caches only (configs.kv_head_pack)")
     if KV_FP8:
         offs_pair = tl.arange(0, BLOCK_D // 2)
         kv_mask = key_ok[:, None] & (offs_pair[None, :] < HEAD_DIM // 2)
         k_pairs = tl.load(_token_rows(k_head, page, tok, stride_k_slot, stride_k_page, PAGE_SIZE,
                                       PAGE_GAP).to(tl.pointer_type(tl.int16)) +
-                          offs_pair[None, :], mask=kv_mask, other=0)
+                          _pack_columns(offs_pair, stride_k_head // 2, HEAD_DIM // 2 // HEAD_PACK, PACK_GAP)[None, :],
+                          mask=kv_mask, other=0)
         k_even, k_odd = e4m3_pairs_to_fp16(k_pairs)
         q_even, q_odd = tl.split(tl.reshape(q, [ROWS, BLOCK_D // 2, 2]))
         s = dot_acc(q_odd, tl.trans(k_odd), dot(q_even, tl.trans(k_even)))
@@ -281,7 +318,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot,
     if KV_FP8:
         v_pairs = tl.load(_token_rows(v_head, page, tok, stride_v_slot, stride_v_page, PAGE_SIZE,
                                       PAGE_GAP).to(tl.pointer_type(tl.int16)) +
-                          offs_pair[None, :], mask=kv_mask, other=0)
+                          _pack_columns(offs_pair, stride_v_head // 2, HEAD_DIM // 2 // HEAD_PACK, PACK_GAP)[None, :],
+                          mask=kv_mask, other=0)
         v_even, v_odd = e4m3_pairs_to_fp16(v_pairs)
         # acc's even and odd columns, each its own dot's accumulator; the split and the join
         # only relabel registers.
@@ -306,23 +344,24 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, 
                   stride_v_head, page_row_ptr, h, seq_len, q_len, tree, window, first_tok, tile_begin, tile_end,
                   num_pages, qk_scale, cap_scale, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   PAGE_GAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr):
+                  NUM_STAGES: tl.constexpr, SOFTCAP: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr,
+                  HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr):
     """Online softmax of q against tiles [tile_begin, tile_end) of one segment, whose tile t
     holds tokens first_tok + t * BLOCK_N ..; scores and masks as in ``_attend_tile``.
 
     Returns (acc [ROWS, BLOCK_D] fp32, unnormalised), m [ROWS] (running base-2 max)
     and l [ROWS] (running sum).
     """
-    k_head = k_ptr + h.to(tl.int64) * stride_k_head
-    v_head = v_ptr + h.to(tl.int64) * stride_v_head
+    k_head = k_ptr + (h * HEAD_PACK).to(tl.int64) * stride_k_head
+    v_head = v_ptr + (h * HEAD_PACK).to(tl.int64) * stride_v_head
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_v_slot, stride_v_page,
-                                 page_row_ptr, first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages,
-                                 qk_scale, cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D,
-                                 BLOCK_N, SOFTCAP, MULTI_Q, TREE)
+        m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot,
+                                 stride_v_page, stride_v_head, page_row_ptr, first_tok + tile * BLOCK_N, seq_len,
+                                 q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS, PAGE_SIZE,
+                                 PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP)
     return acc, m, l
 
 
@@ -345,22 +384,27 @@ def _add_sinks(acc, m, l, sinks_ptr, h, row0, G: tl.constexpr, ROWS: tl.constexp
 @triton.jit
 def _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, row0, d0, acc, l,
                 G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
-                MULTI_Q: tl.constexpr):
+                MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Tile rows row0 .. row0 + ROWS - 1 of a segment (``_row_fields``), columns d0 .. d0 +
     COLS - 1 (< HEAD_DIM): out = acc / l. A row that saw no key (l == 0) is zeros; a NaN
-    stays NaN."""
+    stays NaN. HEAD_PACK > 1: only the columns of each row's own KV head (``_own_columns``)."""
     row, g, present = _row_fields(row0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
     offs_d = d0 + tl.arange(0, COLS)
     o = acc / tl.where(l == 0, 1.0, l)[:, None]
-    mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
-    ptrs = out_ptr + _row_offsets(row, stride_ob, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_oh + offs_d[None, :]
+    if HEAD_PACK > 1:
+        cols, own = _own_columns(g, offs_d, G, HEAD_DIM, HEAD_PACK)
+        mask = present[:, None] & own
+    else:
+        cols = offs_d[None, :]
+        mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+    ptrs = out_ptr + _row_offsets(row, stride_ob, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_oh + cols
     tl.store(ptrs, narrow(o, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc, m, l, sinks_ptr, v_scale,
                  G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr):
+                 HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """A segment walked whole by one CTA: its rows of out from its (acc, m, l), with the
     sinks (HAS_SINKS) and an FP8 cache's V scale (KV_FP8)."""
     if HAS_SINKS:
@@ -368,7 +412,7 @@ def _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc,
     if KV_FP8:
         acc = acc * v_scale
     _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, 0, 0, acc, l, G, ROWS, HEAD_DIM, BLOCK_D,
-                MULTI_Q)
+                MULTI_Q, HEAD_PACK)
 
 
 @triton.jit
@@ -459,7 +503,7 @@ def _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_pt
                n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
                NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, SLOT_ROWS: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-               MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr):
+               MULTI_Q: tl.constexpr, DETERMINISTIC: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Store the (acc [ROWS, BLOCK_D], m [ROWS], l [ROWS]) of a run of segment (b, h) ending at
     its tile ``tile``, walked by CTA ``cta`` from cost ``pos``: whole to out if the run is the
     segment, else as a partial. DETERMINISTIC: the run is a chunk, stored at slot (chunk_base +
@@ -473,7 +517,7 @@ def _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_pt
         slot = 2 * cta + (seg_lo >= pos).to(tl.int32)
     if whole:
         _store_whole(out_ptr, stride_ob, stride_oh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h,
-                     acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                     acc, m, l, sinks_ptr, v_scale, G, ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q, HEAD_PACK)
     else:
         _store_partial(o_part_ptr, lse_part_ptr, slot, q_len, acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM,
                        BLOCK_D, KV_FP8, MULTI_Q)
@@ -491,7 +535,7 @@ def decode_stream_kernel(
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr, MERGE_ROWS: tl.constexpr,
     EMPTY_SCAN: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    SEGMENT_LOOPS: tl.constexpr,
+    SEGMENT_LOOPS: tl.constexpr, HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr,
 ):
     """Persistent balanced decode: CTA c walks cost range [cta_pos[c], cta_pos[c + 1]) (c * piece
     onwards; in deterministic mode moved up to a chunk boundary).
@@ -523,6 +567,10 @@ def decode_stream_kernel(
     partial at slot (chunk_base + chunk) * Hkv + h, every one from a fresh accumulator; the
     merge is ``merge_units_kernel``'s, in chunk order. So a request's result does not depend
     on where the CTA ranges fall, i.e. on the rest of the batch.
+
+    HEAD_PACK > 1: a segment is HEAD_PACK neighbouring KV heads of a request, read as one head
+    of HEAD_DIM columns (NUM_KV_HEADS, G and HEAD_DIM count the packs: ``_load_q``); PACK_GAP:
+    the cache does not store those heads side by side (``_pack_columns``).
     """
     cta = tl.program_id(0)
     if USE_PDL:
@@ -605,17 +653,17 @@ def decode_stream_kernel(
             if DETERMINISTIC:
                 run_end = tl.minimum(run_end, tile_begin + chunk)
             q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
-                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q, HEAD_PACK)
             tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
             acc, m, l = _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot,
                                       stride_v_page, stride_v_head, page_table_ptr + b.to(tl.int64) * stride_pt, h,
                                       seq_len, q_len, tree, window, first_tok, tile_begin, run_end, num_pages,
                                       qk_scale, cap_scale, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                      NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
+                                      NUM_STAGES, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP)
             _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos, seg_lo,
                        run_end - 1, n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
                        NUM_KV_HEADS, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q,
-                       DETERMINISTIC)
+                       DETERMINISTIC, HEAD_PACK)
             c = seg_lo + run_end
     else:
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -632,14 +680,15 @@ def decode_stream_kernel(
                     chunk_left = chunk
             tile = c - seg_lo
             q = _load_q(q_ptr, stride_qb, stride_qh, _query_start(q_start, b, MULTI_Q), q_len, total_q, h, G, ROWS,
-                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q)
+                        HEAD_DIM, BLOCK_D, KV_FP8, MULTI_Q, HEAD_PACK)
             tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
-            m, l, acc = _attend_tile(q, k_ptr + h.to(tl.int64) * stride_k_head,
-                                     v_ptr + h.to(tl.int64) * stride_v_head, stride_k_slot, stride_k_page,
-                                     stride_v_slot, stride_v_page, page_table_ptr + b.to(tl.int64) * stride_pt,
-                                     first_tok + tile * BLOCK_N, seq_len, q_len, tree, window, num_pages, qk_scale,
-                                     cap_scale, m, l, acc, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                     SOFTCAP, MULTI_Q, TREE)
+            m, l, acc = _attend_tile(q, k_ptr + (h * HEAD_PACK).to(tl.int64) * stride_k_head,
+                                     v_ptr + (h * HEAD_PACK).to(tl.int64) * stride_v_head, stride_k_slot,
+                                     stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
+                                     page_table_ptr + b.to(tl.int64) * stride_pt, first_tok + tile * BLOCK_N, seq_len,
+                                     q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS,
+                                     PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE,
+                                     HEAD_PACK, PACK_GAP)
             if DETERMINISTIC:
                 # The chunk's last tile: store it, fresh accumulator after.
                 chunk_left -= 1
@@ -651,7 +700,7 @@ def decode_stream_kernel(
                 _store_run(out_ptr, stride_ob, stride_oh, o_part_ptr, lse_part_ptr, sinks_ptr, v_scale, cta, pos,
                            seg_lo, tile, n_tiles, chunk, chunk_base, q_start, b, q_len, total_q, h, acc, m, l,
                            NUM_KV_HEADS, G, ROWS, SLOT_ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q,
-                           DETERMINISTIC)
+                           DETERMINISTIC, HEAD_PACK)
                 m = tl.full([ROWS], float("-inf"), tl.float32)
                 l = tl.zeros([ROWS], tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -669,11 +718,11 @@ def decode_stream_kernel(
         for i in range(EMPTY_SCAN):
             if tl.sum(tl.where(tl.arange(0, EMPTY_SCAN) == i, scan_lens, 0), 0) == 0:
                 _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, cta + num_ctas * i, max_q_len,
-                                     total_q, NUM_KV_HEADS, G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q)
+                                     total_q, NUM_KV_HEADS, G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q, HEAD_PACK)
     for r in range(cta + num_ctas * EMPTY_SCAN, batch_size, num_ctas):
         if tl.load(seq_lens_ptr + r) == 0:
             _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q_len, total_q, NUM_KV_HEADS,
-                                 G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q)
+                                 G, ROWS, HEAD_DIM, BLOCK_D, MULTI_Q, HEAD_PACK)
     # The arrivals wait for the walk to end: a merge inside the loop would raise its
     # register pressure past the 128-register cap (spills in the tile loop). Deterministic
     # mode cuts no segment between CTAs (its chunks are merged by merge_units_kernel).
@@ -682,13 +731,14 @@ def decode_stream_kernel(
             _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr,
                               first_seg, first_seg_cta, first_seg_pieces, first_q_start, first_q_len,
                               last_seg, last_seg_cta, last_seg_pieces, q_start, q_len, total_q,
-                              NUM_KV_HEADS, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS, MULTI_Q)
+                              NUM_KV_HEADS, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, MERGE_ROWS, HAS_SINKS, MULTI_Q,
+                              HEAD_PACK)
 
 
 @triton.jit
 def _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q_len, total_q,
                          NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, MULTI_Q: tl.constexpr):
+                         BLOCK_D: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Request r's rows of out = 0: a request of no tokens attends to nothing."""
     zero_acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     zero_l = tl.zeros([ROWS], tl.float32)
@@ -699,14 +749,15 @@ def _store_empty_request(out_ptr, stride_ob, stride_oh, cu_seqlens_ptr, r, max_q
         q_len = 1
     for h in range(NUM_KV_HEADS):
         _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, 0, 0, zero_acc, zero_l, G, ROWS,
-                    HEAD_DIM, BLOCK_D, MULTI_Q)
+                    HEAD_DIM, BLOCK_D, MULTI_Q, HEAD_PACK)
 
 
 @triton.jit
 def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h,
                   row0, d0, first, count, slot_a, slot_c, slot_first_extra,
                   G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                  COLS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
+                  COLS: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr,
+                  HEAD_PACK: tl.constexpr):
     """Tile rows row0 .. row0 + ROWS - 1 (those of the segment) and columns d0 .. d0 + COLS -
     1 (< HEAD_DIM) of a segment's rows of out = the log-sum-exp merge of partials i = first ..
     first + count - 1 of those rows and columns, stored at slot a*i + c (+extra for i ==
@@ -743,7 +794,7 @@ def _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks
     if HAS_SINKS:
         acc, weight = _add_sinks(acc, m, weight, sinks_ptr, h, row0, G, ROWS, MULTI_Q)
     _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, row0, d0, acc, weight, G, ROWS, HEAD_DIM,
-                COLS, MULTI_Q)
+                COLS, MULTI_Q, HEAD_PACK)
 
 
 @triton.jit
@@ -752,7 +803,7 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
                       last_seg, last_seg_cta, last_seg_pieces, last_q_start, last_q_len, total_q,
                       NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, HAS_SINKS: tl.constexpr,
-                      MULTI_Q: tl.constexpr):
+                      MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Arrive at this CTA's cut segments of few pieces (``first_seg`` / ``last_seg`` =
     b * Hkv + h, or -1 for none, with their requests' first q row and q_len), whose pieces
     it has stored, and merge into ``out`` each one at which it arrives last. A segment's
@@ -792,14 +843,14 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
                           tl.sum(tl.where(mine, pieces, 0), 0), 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, MERGE_ROWS, BLOCK_D,
                           # One partial per step: a step of several reduces across them through
                           # shared memory, slower here than the extra dependent loads.
-                          BLOCK_P=1, HAS_SINKS=HAS_SINKS, MULTI_Q=MULTI_Q)
+                          BLOCK_P=1, HAS_SINKS=HAS_SINKS, MULTI_Q=MULTI_Q, HEAD_PACK=HEAD_PACK)
 
 
 @triton.jit
 def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h, t,
                   first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr):
+                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Helper t of the pieces - 1 programs inside a segment merges its share (``merge_stream_kernel``):
     rows t, t + (pieces - 1), ... (pieces <= ROW_P), else (row, CHUNK_D columns) items so."""
     helpers = pieces - 1
@@ -808,12 +859,12 @@ def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks
         for row in range(t, rows, helpers):
             _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
                           h, row, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS,
-                          MULTI_Q)
+                          MULTI_Q, HEAD_PACK)
     else:
         for item in range(t, rows * D_CHUNKS, helpers):
             _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
                           h, item // D_CHUNKS, (item % D_CHUNKS) * CHUNK_D, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS,
-                          HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+                          HEAD_DIM, 1, CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
 
 
 @triton.jit(do_not_specialize=["window", "total_q"])
@@ -823,7 +874,7 @@ def merge_stream_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, WHOLE_ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
     D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr,
 ):
     """Grid (C,). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
     are merged inside ``decode_stream_kernel``), with the programs of the CTA boundaries
@@ -878,15 +929,15 @@ def merge_stream_kernel(
                     if t == 0:
                         _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start,
                                       q_len, total_q, h, 0, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM,
-                                      WHOLE_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q)
+                                      WHOLE_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
                 else:
                     _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
                                   total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
-                                  D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q)
+                                  D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
             else:
                 _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
                               total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
-                              D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q)
+                              D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "window", "num_pages", "max_q_len", "total_q"])
@@ -900,6 +951,7 @@ def decode_units_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PERSISTENT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr, MULTI_Q: tl.constexpr, TREE: tl.constexpr,
+    HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr,
 ):
     """Unit-queue decode. Unit u = (split j = u // Hkv, head h = u % Hkv); split j is
     split ``unit_split[j]`` of request ``unit_req[j]``.
@@ -943,16 +995,16 @@ def decode_units_kernel(
         tile_begin = split * tiles_per_split
         tile_end = tl.where(num_splits == 1, n_tiles, tl.minimum(tile_begin + tiles_per_split, n_tiles))
         q = _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h, G, ROWS, HEAD_DIM, BLOCK_D, KV_FP8,
-                    MULTI_Q)
+                    MULTI_Q, HEAD_PACK)
         tree = _load_tree(tree_ptr, q_start, q_len, total_q, G, ROWS, TREE)
         acc, m, l = _attend_tiles(
             q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
             page_table_ptr + b.to(tl.int64) * stride_pt, h, seq_len, q_len, tree, window, first_tok, tile_begin,
             tile_end, num_pages, qk_scale, cap_scale, G, ROWS, PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N,
-            NUM_STAGES, SOFTCAP, MULTI_Q, TREE)
+            NUM_STAGES, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP)
         if num_splits == 1:
             _store_whole(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, acc, m, l, sinks_ptr, v_scale, G,
-                         ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q)
+                         ROWS, HEAD_DIM, BLOCK_D, HAS_SINKS, KV_FP8, MULTI_Q, HEAD_PACK)
         else:
             _store_partial(o_part_ptr, lse_part_ptr, unit, q_len, acc, m, l, v_scale, G, ROWS, SLOT_ROWS, HEAD_DIM,
                            BLOCK_D, KV_FP8, MULTI_Q)
@@ -998,6 +1050,7 @@ def merge_units_kernel(
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
     CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_PACK: tl.constexpr,
 ):
     """Persistent grid of small programs: merge the splits of the requests that have more than
     one. Split k of (request b, KV head h) is at partial slot (req_split_base[b] + k) * Hkv + h.
@@ -1035,10 +1088,10 @@ def merge_units_kernel(
             if is_whole:
                 _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
                               total_q, h, row, 0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, 1,
-                              BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q)
+                              BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
             else:
                 _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
                               total_q, h, row, d0, base, num_splits, NUM_KV_HEADS, h, 0, G, SLOT_ROWS, HEAD_DIM, 1,
-                              CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q)
+                              CHUNK_D, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
         item = next_item
         is_whole, h, row, d0, q_start, q_len, num_splits, base = next_fields

@@ -53,11 +53,15 @@ class QueryRows:
 
     max_q_len: the most query tokens of one row (1: plain decode, q row b; more: speculative
     verify rows, q rows from cu_seqlens_q); slot_rows: rows of one partial slot (G x the most
-    query tokens a row of the planning object can have); tree: rows carry tree masks."""
+    query tokens a row of the planning object can have, G counting the query heads of a
+    pack); tree: rows carry tree masks; head_pack: KV heads a segment reads as one (plain
+    decode rows; ``evenkv.configs.kv_head_pack``): the kernels then see Hkv / head_pack heads
+    of head_pack x D columns and G x head_pack query heads each."""
 
     max_q_len: int
     slot_rows: int
     tree: bool = False
+    head_pack: int = 1
 
     @property
     def multi_q(self) -> bool:
@@ -74,7 +78,14 @@ def tile_rows(group_size: int, max_q_len: int = 1) -> int:
 def _shape_constants(num_kv_heads: int, group_size: int, head_dim: int, query: QueryRows) -> dict:
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, ROWS=tile_rows(group_size, query.max_q_len),
                 SLOT_ROWS=query.slot_rows, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                MULTI_Q=query.multi_q, TREE=query.tree)
+                MULTI_Q=query.multi_q, TREE=query.tree, HEAD_PACK=query.head_pack)
+
+
+def packed_geometry(q: torch.Tensor, k_cache: torch.Tensor, query: QueryRows) -> tuple[int, int, int]:
+    """(KV heads, G, head dim) as the decode kernels walk them: packs of query.head_pack
+    neighbouring KV heads of the cache ([num_pages, page_size, Hkv, D]) and q ([*, Hq, D])."""
+    num_kv_heads = k_cache.shape[2] // query.head_pack
+    return num_kv_heads, q.shape[1] // num_kv_heads, k_cache.shape[3] * query.head_pack
 
 
 @functools.cache  # built once per shape: launches unpack the dict and never change it
@@ -87,7 +98,7 @@ def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, que
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, HEAD_DIM=head_dim,
                 BLOCK_D=block_d, WHOLE_P=max(2, min(MERGE_WHOLE_PIECES, MERGE_UNITS_TILE // block_d)),
                 CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d), CHUNK_P=MERGE_UNITS_TILE // chunk_d,
-                MULTI_Q=query.multi_q)
+                MULTI_Q=query.multi_q, HEAD_PACK=query.head_pack)
 
 
 @functools.cache  # built once per shape: launches unpack the dict and never change it
@@ -103,7 +114,7 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
                 HEAD_DIM=head_dim, BLOCK_D=block_d, WHOLE_P=min(MERGE_WHOLE_PIECES, MERGE_TILE // (whole_rows * block_d)),
                 ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
                 CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
-                USE_PDL=use_pdl, HAS_SINKS=has_sinks, MULTI_Q=query.multi_q)
+                USE_PDL=use_pdl, HAS_SINKS=has_sinks, MULTI_Q=query.multi_q, HEAD_PACK=query.head_pack)
 
 
 @functools.cache  # built once per shape: launches unpack the dict and never change it
@@ -124,6 +135,14 @@ def _strides(q, k_cache, v_cache, out, page_table):
     as the decode kernels take them."""
     return (q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(0), k_cache.stride(2), v_cache.stride(1),
             v_cache.stride(0), v_cache.stride(2), out.stride(0), out.stride(1), page_table.stride(0))
+
+
+def pack_gap(k_cache, v_cache, query: QueryRows) -> bool:
+    """Whether a packed segment's KV heads are not stored side by side in a cache (a head
+    stride other than the head dim: vLLM's K and V halves, HND pages): the decode kernels'
+    PACK_GAP."""
+    head_dim = k_cache.shape[3]
+    return query.head_pack > 1 and (k_cache.stride(2) != head_dim or v_cache.stride(2) != head_dim)
 
 
 def page_gap(k_cache, v_cache) -> bool:
@@ -170,8 +189,7 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
     ``deterministic``; merge_counters [num_ctas] int32 zeros; cu_seqlens [B + 1] and tree
     [total_q] int32). use_pdl: let the next launch (``launch_merge_stream``, or in deterministic
     mode ``launch_merge_units``, with use_pdl) start early (sm90)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
+    num_kv_heads, group, head_dim = packed_geometry(q, k_cache, query)
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     s = schedule
     return launch_or_compile(
@@ -181,14 +199,15 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
         *_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window, seq_lens.shape[0],
         k_cache.shape[0], query.max_q_len, q.shape[0],
         **stream_constants(num_kv_heads, group, head_dim, page_size, config, use_pdl, query), **terms.constants(k_cache),
-        PAGE_GAP=page_gap(k_cache, v_cache), DETERMINISTIC=deterministic, num_warps=config.num_warps,
-        maxnreg=config.max_registers)
+        PAGE_GAP=page_gap(k_cache, v_cache), PACK_GAP=pack_gap(k_cache, v_cache, query), DETERMINISTIC=deterministic,
+        num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
 def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, query: QueryRows, num_kv_heads: int,
                         config, use_pdl: bool, warmup: bool = False):
-    """Grid (C,): one program per CTA boundary of ``schedule`` (see merge_stream_kernel). use_pdl:
-    launched as a programmatic dependent of the decode kernel (sm90 only)."""
+    """Grid (C,): one program per CTA boundary of ``schedule`` (see merge_stream_kernel); num_kv_heads
+    counts the packs (``packed_geometry``). use_pdl: launched as a programmatic dependent of
+    the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
     sinks = terms.sinks if terms.sinks is not None else out
     s = schedule
@@ -196,8 +215,8 @@ def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, quer
         merge_stream_kernel, (s.num_ctas,), warmup,
         o_part, lse_part, out, s.active_req, s.cta_start, s.plan_scalars, sinks, out.stride(0), out.stride(1),
         terms.window, out.shape[0],
-        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2], config, use_pdl, query,
-                                 terms.sinks is not None),
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2] * query.head_pack, config,
+                                 use_pdl, query, terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
 
@@ -206,7 +225,7 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu
                         terms: LayerTerms, query: QueryRows, grid: int, persistent: bool, page_size: int, config,
                         warmup: bool = False):
     """Unit-queue decode: ``grid`` persistent CTAs, or one program per (request, KV head)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, group, head_dim = packed_geometry(q, k_cache, query)
     sinks, qk_scale, cap_scale, v_scale, window = terms.kernel_args(q, k_cache)
     return launch_or_compile(
         decode_units_kernel, (grid,), warmup,
@@ -214,19 +233,20 @@ def launch_decode_units(q, k_cache, v_cache, out, o_part, lse_part, seq_lens, cu
         unit_req, unit_split, req_splits, req_tiles_per_split, num_units, queue, sinks, errors,
         *_strides(q, k_cache, v_cache, out, page_table), qk_scale, cap_scale, v_scale, window,
         k_cache.shape[0], query.max_q_len, q.shape[0],
-        **_shape_constants(num_kv_heads, q.shape[1] // num_kv_heads, head_dim, query),
-        PAGE_SIZE=page_size, PAGE_GAP=page_gap(k_cache, v_cache), BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages, PERSISTENT=persistent, **terms.constants(k_cache), num_warps=config.num_warps,
-        maxnreg=config.max_registers)
+        **_shape_constants(num_kv_heads, group, head_dim, query),
+        PAGE_SIZE=page_size, PAGE_GAP=page_gap(k_cache, v_cache), PACK_GAP=pack_gap(k_cache, v_cache, query),
+        BLOCK_N=config.block_n, NUM_STAGES=config.num_stages, PERSISTENT=persistent, **terms.constants(k_cache),
+        num_warps=config.num_warps, maxnreg=config.max_registers)
 
 
 def launch_merge_units(o_part, lse_part, out, seq_lens, cu_seqlens, req_splits, req_split_base, merge_list,
                        merge_count, sinks: torch.Tensor | None, query: QueryRows, num_kv_heads: int, grid: int,
                        list_last: int, use_pdl: bool = False, warmup: bool = False):
     """Persistent merge over ``grid`` programs of the requests listed in merge_list [>= list_last
-    + 1] int32, merge_count [2] int32 (see ``merge_units_kernel``); sinks [Hq] or None. use_pdl:
-    launched as a programmatic dependent of the decode kernel (sm90 only)."""
-    group, head_dim = out.shape[1] // num_kv_heads, out.shape[2]
+    + 1] int32, merge_count [2] int32 (see ``merge_units_kernel``); sinks [Hq] or None;
+    num_kv_heads counts the packs (``packed_geometry``). use_pdl: launched as a programmatic
+    dependent of the decode kernel (sm90 only)."""
+    group, head_dim = out.shape[1] // num_kv_heads, out.shape[2] * query.head_pack
     pdl = dict(launch_pdl=True) if use_pdl else {}
     return launch_or_compile(
         merge_units_kernel, (grid,), warmup,
