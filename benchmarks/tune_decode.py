@@ -17,7 +17,9 @@ each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd
 ``vllm-hnd`` (vLLM's caches: one ``[pages, page, Hkv, 2 * D]`` buffer, or ``[pages, Hkv, page,
 2 * D]`` with ``VLLM_KV_CACHE_LAYOUT=HND``, whose last dim holds K then V).
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
-then verify rows); ``--deterministic`` the batch-invariant mode.
+then verify rows); ``--deterministic`` the batch-invariant mode. Each KV head is walked alone
+unless ``--pack-kv-heads``: then where ``evenkv.configs.kv_head_pack`` packs (head dim 64 over an
+FP8 cache) two heads walk as one of twice the head dim, and ``tables`` names that head dim's rows.
 """
 
 import argparse
@@ -31,7 +33,7 @@ import torch
 
 import evenkv
 from benchmarks.decode_imbalance import SHAPES, GpuTimer, copy_bandwidth, parse_choice_list
-from evenkv.configs import DecodeConfig, many_segments_config
+from evenkv.configs import DecodeConfig, kv_head_pack, many_segments_config, resolve_arch
 from evenkv.kernels.decode_launch import tile_rows
 
 
@@ -137,6 +139,8 @@ def parse_args(argv=None):
                     help=f"a comma list of {', '.join(CACHE_LAYOUTS)} (or all): each a sweep of its own in this process")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--pack-kv-heads", action="store_true",
+                    help="walk two KV heads as one where evenkv would (head dim 64 over an FP8 cache)")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     ap.add_argument("--archs", default="sm80,sm90", help="whose table rows --configs tables times")
@@ -165,8 +169,10 @@ def sweep(args, kv_dtype, layout, timer, copy_bw):
     fp8 = kv_dtype == "fp8"
     k, v, scales = random_caches(pages_needed, page, hkv, d, layout, fp8)
     q_len = args.q_len
+    pack = kv_head_pack(resolve_arch(None, k.device), hq, hkv, d, q_len, args.deterministic, fp8) \
+        if args.pack_kv_heads else 1
     if args.configs == "tables":
-        configs = table_configs(d, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None, fp8,
+        configs = table_configs(d * pack, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None, fp8,
                                 args.archs.split(","))
     elif args.configs == "grid":
         configs = [parse_config(f"bn{bn}-w{w}-s{s}-c{c}")
@@ -186,7 +192,7 @@ def sweep(args, kv_dtype, layout, timer, copy_bw):
                 try:
                     attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
                                                   config=cfg, kv_dtype=k.dtype, max_q_len=q_len,
-                                                  deterministic=args.deterministic)
+                                                  deterministic=args.deterministic, pack_kv_heads=pack > 1)
                     plan = attn.plan(seq_lens, pt, **verify)
                     out = attn.run(plan, q, k, v, **scales)
                     first_out = out.clone() if first_out is None else first_out
@@ -198,7 +204,7 @@ def sweep(args, kv_dtype, layout, timer, copy_bw):
                     continue
                 frac = kv_bytes / (us * 1e-6) / copy_bw
                 rows.append(dict(config=cfg.name, policy=policy, deterministic=args.deterministic, shape=shape.name,
-                                 kv_dtype=kv_dtype, cache_layout=layout,
+                                 kv_dtype=kv_dtype, cache_layout=layout, head_pack=attn.head_pack,
                                  ctas=attn.num_ctas, T=total, q_len=q_len, B=batch, dist=dist, page=page,
                                  us=round(us, 2), frac_copy=round(frac, 4),
                                  max_diff_vs_first=f"{diff:.2e}"))
