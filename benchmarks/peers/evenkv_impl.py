@@ -6,7 +6,8 @@ the headline numbers are about); ``<policy>@sm80`` / ``<policy>@sm90`` force a t
 ``balanced-tree`` runs verify rows as tree-masked ones (``tree_masks=True``), each planned
 with a chain mask, which is how SGLang's n-gram and EAGLE topk > 1 verify steps reach evenkv:
 the same causal rows as ``balanced``, on the tree-mask kernel variants (plain decode rows are
-the same kernels either way).
+the same kernels either way); ``balanced-pack`` walks two KV heads of 64 as one over an FP8
+cache where evenkv can (``pack_kv_heads=True``; elsewhere the same as ``balanced``).
 Every variant runs verify rows (1 + K query tokens per request, K <= 15): ``DecodeAttention``
 built with ``max_q_len=1 + K`` and planned with the batch's ``cu_seqlens_q`` and ``q_len``;
 a run's verify objects compile their kernels ahead, in background processes (``prebuild``).
@@ -52,19 +53,21 @@ def variants(ctx):
         out += [(f"{policy}@{arch}", True) for arch in ARCHES if arch != auto]
     out.append(("balanced-det", True))
     out.append(("balanced-tree", False))
+    out.append(("balanced-pack", False))
     return out
 
 
-def parse_variant(variant: str) -> tuple[str, str | None, bool, bool]:
-    """'fa3@sm80' -> ('fa3', 'sm80', False, False); 'balanced-det' -> ('balanced', None, True,
-    False); 'balanced-tree' -> ('balanced', None, False, True)."""
+def parse_variant(variant: str) -> tuple[str, str | None, bool, bool, bool]:
+    """'fa3@sm80' -> ('fa3', 'sm80', False, False, False); 'balanced-det' -> ('balanced', None,
+    True, False, False); 'balanced-tree' -> ('balanced', None, False, True, False);
+    'balanced-pack' -> ('balanced', None, False, False, True)."""
     name, _, arch = variant.partition("@")
-    det, tree = name.endswith("-det"), name.endswith("-tree")
-    policy = name.rsplit("-", 1)[0] if det or tree else name
+    det, tree, pack = name.endswith("-det"), name.endswith("-tree"), name.endswith("-pack")
+    policy = name.rsplit("-", 1)[0] if det or tree or pack else name
     if policy not in POLICIES or (arch and arch not in ARCHES):
-        raise ValueError(f"evenkv variant: expected <policy>[-det|-tree][@arch] with policy in {POLICIES} "
+        raise ValueError(f"evenkv variant: expected <policy>[-det|-tree|-pack][@arch] with policy in {POLICIES} "
                          f"and arch in {ARCHES}, got {variant!r}")
-    return policy, arch or None, det, tree
+    return policy, arch or None, det, tree, pack
 
 
 def feature_kwargs(ctx) -> dict:
@@ -84,9 +87,10 @@ class EvenkvRunner(Runner):
     every batch of its query length with the same error, and no other."""
 
     def __init__(self, variant, ctx):
-        self.policy, arch, det, tree = parse_variant(variant)
+        self.policy, arch, det, tree, pack = parse_variant(variant)
         self.ctx = ctx
-        self.kwargs = {"arch": arch, "deterministic": det, "tree_masks": tree, **feature_kwargs(ctx)}
+        self.kwargs = {"arch": arch, "deterministic": det, "tree_masks": tree, "pack_kv_heads": pack,
+                       **feature_kwargs(ctx)}
         self.fp8 = ctx.kv_fp8
         self.objects = {}  # q_len -> DecodeAttention, or the exception building it raised
 
