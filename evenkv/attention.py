@@ -217,6 +217,8 @@ class Attention:
         line = f"{d.policy}: {how[d.policy]}"
         if d.deterministic:
             line += "; deterministic: each request cut into chunks of its own length, merged in a fixed order"
+        if d.head_pack > 1:
+            line += f"; KV heads walked {d.head_pack} at a time, as one head of {d.head_pack * d.head_dim} columns"
         return line
 
     def _choose_prefill(self, kernel: PrefillKernel | None) -> tuple:

@@ -879,6 +879,12 @@ def test_decode_reason_names_the_policy_and_mode(device, policy, deterministic, 
     attn = Attention(4, 2, 64, 16, torch.float16, device, 4, 8, policy, deterministic=deterministic)
     assert words in attn.decode_reason
     assert ("deterministic" in attn.decode_reason) == deterministic
+    assert "walked" not in attn.decode_reason
+
+
+def test_decode_reason_names_packed_kv_heads(device):
+    attn = Attention(16, 2, 64, 16, torch.bfloat16, device, 4, 8, kv_dtype=torch.float8_e4m3fn, pack_kv_heads=True)
+    assert "KV heads walked 2 at a time, as one head of 128 columns" in attn.decode_reason
 
 
 def test_prefill_switch(monkeypatch):
