@@ -121,13 +121,19 @@ def _row_offsets(row, stride, MULTI_Q: tl.constexpr):
 
 
 @triton.jit
-def _own_columns(g, offs_d, G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PACK: tl.constexpr):
-    """A packed tile's columns as q and out hold them: rows of query head offset g ([ROWS])
-    belong to the pack's KV head g // (G / HEAD_PACK), whose HEAD_DIM / HEAD_PACK columns are
-    that head's share of the tile's. Returns ([ROWS, COLS] column of q's and out's rows for
-    each tile column ``offs_d`` [COLS], [ROWS, COLS] whether it is the row's own head's)."""
-    cols = offs_d[None, :] - (g // (G // HEAD_PACK))[:, None] * (HEAD_DIM // HEAD_PACK)
-    return cols, (cols >= 0) & (cols < HEAD_DIM // HEAD_PACK)
+def _row_columns(g, present, offs_d, G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PACK: tl.constexpr):
+    """Where tile columns ``offs_d`` [COLS] of rows of query head offset g ([ROWS], those
+    ``present``) lie in q's and out's rows: ([ROWS, COLS] column offsets, [ROWS, COLS] mask).
+    Unpacked, column c is column c (< HEAD_DIM). HEAD_PACK > 1: a row belongs to the pack's KV
+    head g // (G / HEAD_PACK), whose HEAD_DIM / HEAD_PACK columns are its share of the tile's;
+    only those are the row's."""
+    if HEAD_PACK > 1:
+        cols = offs_d[None, :] - (g // (G // HEAD_PACK))[:, None] * (HEAD_DIM // HEAD_PACK)
+        mask = present[:, None] & (cols >= 0) & (cols < HEAD_DIM // HEAD_PACK)
+    else:
+        cols = offs_d[None, :]
+        mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return cols, mask
 
 
 @triton.jit
@@ -164,7 +170,7 @@ def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
 
     HEAD_PACK > 1 (plain decode rows only): the tile holds the G / HEAD_PACK query heads of
     each of HEAD_PACK neighbouring KV heads, each in its own head's HEAD_DIM / HEAD_PACK
-    columns and zero in the others (``_own_columns``), so one dot over all columns scores
+    columns and zero in the others (``_row_columns``), so one dot over all columns scores
     every row against its own head's keys only."""
     tl.static_assert(HEAD_PACK == 1 or not MULTI_Q, "packed KV heads take plain decode rows only")
     offs_d = tl.arange(0, BLOCK_D)
@@ -180,12 +186,7 @@ def _load_q(q_ptr, stride_qb, stride_qh, q_start, q_len, total_q, h,
             q = tl.load(ptrs, mask=in_range & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
         row, g, present = _row_fields(0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
-        if HEAD_PACK > 1:
-            cols, own = _own_columns(g, offs_d, G, HEAD_DIM, HEAD_PACK)
-            mask = present[:, None] & own
-        else:
-            cols = offs_d[None, :]
-            mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+        cols, mask = _row_columns(g, present, offs_d, G, HEAD_DIM, HEAD_PACK)
         ptrs = q_ptr + _row_offsets(row, stride_qb, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_qh + cols
         q = tl.load(ptrs, mask=mask, other=0.0)
     if KV_FP8:
@@ -387,16 +388,11 @@ def _store_rows(out_ptr, stride_ob, stride_oh, q_start, q_len, total_q, h, row0,
                 MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
     """Tile rows row0 .. row0 + ROWS - 1 of a segment (``_row_fields``), columns d0 .. d0 +
     COLS - 1 (< HEAD_DIM): out = acc / l. A row that saw no key (l == 0) is zeros; a NaN
-    stays NaN. HEAD_PACK > 1: only the columns of each row's own KV head (``_own_columns``)."""
+    stays NaN. HEAD_PACK > 1: only the columns of each row's own KV head (``_row_columns``)."""
     row, g, present = _row_fields(row0, q_start, q_len, total_q, G, ROWS, MULTI_Q)
     offs_d = d0 + tl.arange(0, COLS)
     o = acc / tl.where(l == 0, 1.0, l)[:, None]
-    if HEAD_PACK > 1:
-        cols, own = _own_columns(g, offs_d, G, HEAD_DIM, HEAD_PACK)
-        mask = present[:, None] & own
-    else:
-        cols = offs_d[None, :]
-        mask = present[:, None] & (offs_d[None, :] < HEAD_DIM)
+    cols, mask = _row_columns(g, present, offs_d, G, HEAD_DIM, HEAD_PACK)
     ptrs = out_ptr + _row_offsets(row, stride_ob, MULTI_Q) + (h * G + g[:, None]).to(tl.int64) * stride_oh + cols
     tl.store(ptrs, narrow(o, out_ptr.dtype.element_ty), mask=mask)
 
