@@ -282,7 +282,7 @@ def max_tile_rows(arch: str, head_dim: int) -> int:
     return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)])
 
 
-# Asked to (``DecodeAttention(pack_kv_heads=True)``), plain decode rows of head dim 64 over an
+# Unless told not to (``DecodeAttention(pack_kv_heads=False)``), plain decode rows of head dim 64 over an
 # FP8 cache walk two neighbouring KV heads as one head of 128 columns whose rows hold both heads'
 # G query heads, when 2 x G still fits the 16-row MMA minimum that pads them anyway: the tile then
 # loads 128 bytes of each token per head pair (one head's 64-byte rows of a token-major FP8 cache

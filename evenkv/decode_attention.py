@@ -97,8 +97,8 @@ class DecodeAttention:
         pack_kv_heads: walk plain decode rows of head dim 64 over an FP8 cache as packs of two
             neighbouring KV heads, each pack one head of 128 columns, where
             ``evenkv.configs.kv_head_pack`` allows it (``self.head_pack``); ``config`` then names
-            a row of the packed head dim. Off by default: its compiled loop is measured, its
-            time on a GPU not yet (docs/tuning.md, "Two KV heads of 64 as one").
+            a row of the packed head dim (docs/tuning.md, "Two KV heads of 64 as one"). On by
+            default; False walks each head alone.
     """
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
@@ -107,7 +107,7 @@ class DecodeAttention:
                  config: DecodeConfig | None = None, deterministic: bool | None = None,
                  max_total_tokens: int = 1 << 21, debug: bool | None = None, sliding_window: int | None = None,
                  logit_cap: float | None = None, kv_dtype: torch.dtype | None = None, max_q_len: int = 1,
-                 q_lens: Sequence[int] | None = None, tree_masks: bool = False, pack_kv_heads: bool = False):
+                 q_lens: Sequence[int] | None = None, tree_masks: bool = False, pack_kv_heads: bool = True):
         check_attention_layout(num_q_heads, num_kv_heads, page_size, dtype, max_batch_size, max_pages_per_request)
         self.sliding_window = normalize_window(sliding_window)
         self.logit_cap = normalize_logit_cap(logit_cap)

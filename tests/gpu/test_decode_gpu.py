@@ -73,6 +73,7 @@ def fp8_copy(cache, scale):
 @pytest.mark.parametrize("name,shape,layer,fp8", [
     ("gpt-oss-window", (64, 8, 64), dict(sliding_window=128), True),
     ("gpt-oss-full", (64, 8, 64), dict(), True),
+    ("gpt-oss-one-head", (64, 8, 64), dict(pack_kv_heads=False), True),
     ("qwen3-fp8", (HQ, HKV, D), dict(), True),
     ("qwen3-next-fp8", (16, 2, 256), dict(), True),
     ("gemma-like", (16, 8, 256), dict(sliding_window=4096, logit_cap=50.0), False),
@@ -81,6 +82,8 @@ def fp8_copy(cache, scale):
 def test_layer_features_realistic(name, shape, layer, fp8, policy):
     """Windows, soft-caps, sinks (gpt-oss shapes) and FP8 caches at serving sizes, skewed batches."""
     hq, hkv, d = shape
+    layer = dict(layer)
+    pack = layer.pop("pack_kv_heads", True)
     gen = torch.Generator().manual_seed(2)
     sinks = torch.randn(hq, generator=gen).cuda() if name.startswith("gpt-oss") else None
     for total, batch, share in ((262144, 64, 0.8), (262144, 512, 0.4), (65536, 1, 0.0)):
@@ -91,7 +94,9 @@ def test_layer_features_realistic(name, shape, layer, fp8, policy):
             k, v = fp8_copy(k, 0.02), fp8_copy(v, 0.01)
             terms = dict(k_scale=0.02, v_scale=0.01)
         attn = evenkv.DecodeAttention(hq, hkv, d, 16, q.dtype, "cuda", 512, pt.shape[1], policy,
-                                      kv_dtype=k.dtype, **layer)
+                                      kv_dtype=k.dtype, pack_kv_heads=pack, **layer)
+        # head dim 64 over FP8 walks two KV heads as one unless told not to
+        assert attn.head_pack == (2 if fp8 and d == 64 and pack else 1)
         out = attn.run(attn.plan(seq_lens, pt), q, k, v, sinks=sinks, **terms)
         rows = torch.tensor(sorted({r for r in (0, 1, batch // 2, batch - 1) if r < batch}), device="cuda")
         ref_terms = dict(layer, sinks=sinks, **terms)
