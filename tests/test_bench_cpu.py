@@ -468,8 +468,8 @@ def test_impl_selection_and_names():
     assert evenkv_impl.parse_variant("fa3@sm80") == ("fa3", "sm80", False, False, False)
     assert evenkv_impl.parse_variant("balanced-det") == ("balanced", None, True, False, False)
     assert evenkv_impl.parse_variant("balanced-tree@sm80") == ("balanced", "sm80", False, True, False)
-    assert evenkv_impl.parse_variant("balanced-pack") == ("balanced", None, False, False, True)
-    for bad in ("balanced@sm70", "tree-balanced", "balanced-trees", "balanced-packed"):
+    assert evenkv_impl.parse_variant("balanced-onehead") == ("balanced", None, False, False, True)
+    for bad in ("balanced@sm70", "tree-balanced", "balanced-trees", "balanced-one"):
         with pytest.raises(ValueError):
             evenkv_impl.parse_variant(bad)
     assert evenkv_impl.chain_mask(torch.tensor([0, 3, 4, 6], dtype=torch.int32)).tolist() == [1, 3, 7, 1, 1, 3]

@@ -6,8 +6,9 @@ the headline numbers are about); ``<policy>@sm80`` / ``<policy>@sm90`` force a t
 ``balanced-tree`` runs verify rows as tree-masked ones (``tree_masks=True``), each planned
 with a chain mask, which is how SGLang's n-gram and EAGLE topk > 1 verify steps reach evenkv:
 the same causal rows as ``balanced``, on the tree-mask kernel variants (plain decode rows are
-the same kernels either way); ``balanced-pack`` walks two KV heads of 64 as one over an FP8
-cache where evenkv can (``pack_kv_heads=True``; elsewhere the same as ``balanced``).
+the same kernels either way); ``balanced-onehead`` walks each KV head alone where evenkv's
+default walks two heads of 64 as one over an FP8 cache (``pack_kv_heads=False``; elsewhere the
+same as ``balanced``).
 Every variant runs verify rows (1 + K query tokens per request, K <= 15): ``DecodeAttention``
 built with ``max_q_len=1 + K`` and planned with the batch's ``cu_seqlens_q`` and ``q_len``;
 a run's verify objects compile their kernels ahead, in background processes (``prebuild``).
@@ -53,21 +54,22 @@ def variants(ctx):
         out += [(f"{policy}@{arch}", True) for arch in ARCHES if arch != auto]
     out.append(("balanced-det", True))
     out.append(("balanced-tree", False))
-    out.append(("balanced-pack", False))
+    out.append(("balanced-onehead", False))
     return out
 
 
 def parse_variant(variant: str) -> tuple[str, str | None, bool, bool, bool]:
     """'fa3@sm80' -> ('fa3', 'sm80', False, False, False); 'balanced-det' -> ('balanced', None,
     True, False, False); 'balanced-tree' -> ('balanced', None, False, True, False);
-    'balanced-pack' -> ('balanced', None, False, False, True)."""
+    'balanced-onehead' -> ('balanced', None, False, False, True); the last field: walk each KV
+    head alone."""
     name, _, arch = variant.partition("@")
-    det, tree, pack = name.endswith("-det"), name.endswith("-tree"), name.endswith("-pack")
-    policy = name.rsplit("-", 1)[0] if det or tree or pack else name
+    det, tree, one_head = name.endswith("-det"), name.endswith("-tree"), name.endswith("-onehead")
+    policy = name.rsplit("-", 1)[0] if det or tree or one_head else name
     if policy not in POLICIES or (arch and arch not in ARCHES):
-        raise ValueError(f"evenkv variant: expected <policy>[-det|-tree|-pack][@arch] with policy in {POLICIES} "
+        raise ValueError(f"evenkv variant: expected <policy>[-det|-tree|-onehead][@arch] with policy in {POLICIES} "
                          f"and arch in {ARCHES}, got {variant!r}")
-    return policy, arch or None, det, tree, pack
+    return policy, arch or None, det, tree, one_head
 
 
 def feature_kwargs(ctx) -> dict:
@@ -87,9 +89,9 @@ class EvenkvRunner(Runner):
     every batch of its query length with the same error, and no other."""
 
     def __init__(self, variant, ctx):
-        self.policy, arch, det, tree, pack = parse_variant(variant)
+        self.policy, arch, det, tree, one_head = parse_variant(variant)
         self.ctx = ctx
-        self.kwargs = {"arch": arch, "deterministic": det, "tree_masks": tree, "pack_kv_heads": pack,
+        self.kwargs = {"arch": arch, "deterministic": det, "tree_masks": tree, "pack_kv_heads": not one_head,
                        **feature_kwargs(ctx)}
         self.fp8 = ctx.kv_fp8
         self.objects = {}  # q_len -> DecodeAttention, or the exception building it raised
