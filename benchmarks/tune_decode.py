@@ -17,9 +17,10 @@ each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd
 ``vllm-hnd`` (vLLM's caches: one ``[pages, page, Hkv, 2 * D]`` buffer, or ``[pages, Hkv, page,
 2 * D]`` with ``VLLM_KV_CACHE_LAYOUT=HND``, whose last dim holds K then V).
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
-then verify rows); ``--deterministic`` the batch-invariant mode. Each KV head is walked alone
-unless ``--pack-kv-heads``: then where ``evenkv.configs.kv_head_pack`` packs (head dim 64 over an
-FP8 cache) two heads walk as one of twice the head dim, and ``tables`` names that head dim's rows.
+then verify rows); ``--deterministic`` the batch-invariant mode. Where ``evenkv.configs.kv_head_pack``
+packs (head dim 64 over an FP8 cache), two KV heads walk as one of twice the head dim, as
+``DecodeAttention`` does by default, and ``tables`` names that head dim's rows; ``--one-kv-head``
+walks each head alone (``pack_kv_heads=False``) on its own head dim's rows.
 """
 
 import argparse
@@ -139,8 +140,8 @@ def parse_args(argv=None):
                     help=f"a comma list of {', '.join(CACHE_LAYOUTS)} (or all): each a sweep of its own in this process")
     ap.add_argument("--q-len", type=int, default=1, help="query tokens per request (> 1: speculative-verify rows)")
     ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument("--pack-kv-heads", action="store_true",
-                    help="walk two KV heads as one where evenkv would (head dim 64 over an FP8 cache)")
+    ap.add_argument("--one-kv-head", action="store_true",
+                    help="walk each KV head alone where evenkv would walk two as one (head dim 64 over an FP8 cache)")
     ap.add_argument("--configs", default="grid",
                     help="'grid', 'tables', or a comma list of bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>]")
     ap.add_argument("--archs", default="sm80,sm90", help="whose table rows --configs tables times")
@@ -170,7 +171,7 @@ def sweep(args, kv_dtype, layout, timer, copy_bw):
     k, v, scales = random_caches(pages_needed, page, hkv, d, layout, fp8)
     q_len = args.q_len
     pack = kv_head_pack(resolve_arch(None, k.device), hq, hkv, d, q_len, args.deterministic, fp8) \
-        if args.pack_kv_heads else 1
+        if not args.one_kv_head else 1
     if args.configs == "tables":
         configs = table_configs(d * pack, page, tile_rows(hq // hkv, q_len) if q_len > 1 else None, fp8,
                                 args.archs.split(","))
