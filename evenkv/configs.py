@@ -282,13 +282,14 @@ def max_tile_rows(arch: str, head_dim: int) -> int:
     return max(_DECODE_VERIFY[check_arch(arch)][head_dim_class(head_dim)])
 
 
-# Unless told not to (``DecodeAttention(pack_kv_heads=False)``), plain decode rows of head dim 64 over an
-# FP8 cache walk two neighbouring KV heads as one head of 128 columns whose rows hold both heads'
-# G query heads, when 2 x G still fits the 16-row MMA minimum that pads them anyway: the tile then
-# loads 128 bytes of each token per head pair (one head's 64-byte rows of a token-major FP8 cache
-# cap the loads far below the copy bandwidth), and one softmax step covers two heads
-# (docs/tuning.md, "Two KV heads of 64 as one"). A bf16 cache's rows are 128 bytes already, and
-# its packed tile spills in the 96-register many-segments row: it walks each head alone.
+# Unless told not to (``DecodeAttention(pack_kv_heads=False)``), plain decode rows of head dim
+# 64 over an FP8 cache walk two neighbouring KV heads as one head of 128 columns whose rows hold
+# both heads' G query heads, when 2 x G still fits the 16-row MMA minimum that pads them anyway:
+# the tile then loads 128 bytes of each token per head pair (one head's 64-byte rows of a
+# token-major FP8 cache cap the loads far below the copy bandwidth), and one softmax step covers
+# two heads; on an H100 that takes 0.74-0.85x the one-head walk's time (docs/tuning.md, "Two KV
+# heads of 64 as one"). A bf16 cache's rows are 128 bytes already, and its packed tile spills in
+# the 96-register many-segments row: it walks each head alone.
 PACKED_HEAD_DIM = 64
 PACKED_TILE_ROWS = 16
 
