@@ -93,6 +93,35 @@ def test_random_batches_compile_nothing_after_warmup(device, recorder, page_size
     _assert_covered(recorder)
 
 
+@pytest.mark.parametrize("halves", [True, False], ids=["vllm-halves", "token-major"])
+def test_packed_kv_heads_compile_nothing_after_warmup(device, recorder, halves):
+    """Head dim 64 over an FP8 cache walks two KV heads as one: warm-up builds the packed
+    kernels for the cache it is given (the two heads a stride apart in vLLM's K|V halves, side
+    by side in a token-major cache), so decode batches on either side of the many-segments
+    threshold launch nothing it did not build."""
+    hq, hkv, d, page, max_batch, width = 8, 2, 64, 16, 300, 8
+    fp8 = torch.float8_e4m3fn
+    if halves:
+        kv = torch.zeros(64 * page, hkv, 2 * d, dtype=fp8, device=device)
+        k_cache, v_cache = kv[..., :d], kv[..., d:]
+    else:
+        k_cache = torch.zeros(64 * page, hkv, d, dtype=fp8, device=device)
+        v_cache = torch.zeros_like(k_cache)
+    attn = evenkv.Attention(hq, hkv, d, page, torch.bfloat16, device, max_batch, width, kv_dtype=fp8)
+    assert attn.decode.head_pack == 2
+    q = torch.zeros(max_batch, hq, d, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    attn.warmup(q, k_cache, v_cache, out=out)
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 7, max_batch):
+        seq_lens = torch.randint(1, width * page + 1, (batch,), generator=gen).to(torch.int32).to(device)
+        table = torch.randint(0, 64, (batch, width), generator=gen).to(torch.int32).to(device)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        plan = attn.plan(cu, seq_lens, table, num_decodes=batch, max_q_len=1)
+        attn.run(plan, q[:batch], k_cache, v_cache, out=out[:batch], k_scale=0.5, v_scale=0.25)
+    _assert_covered(recorder)
+
+
 def test_write_kv_compiles_nothing_after_warmup(device, recorder):
     q, k_new, v_new, k_cache, v_cache = _tensors(device, 16)
     warmup_write_kv(k_cache, v_cache, k_new, v_new)
