@@ -82,23 +82,18 @@ def test_packed_kv_heads_match_the_reference(device, policy, features):
     ("verify rows", dict(num_q_heads=64, num_kv_heads=8, max_q_len=2), False),
     ("deterministic", dict(num_q_heads=64, num_kv_heads=8, deterministic=True), False),
     ("sm80 table", dict(num_q_heads=64, num_kv_heads=8, arch="sm80"), False),
-    ("not asked", dict(num_q_heads=64, num_kv_heads=8, pack_kv_heads=False), False),
+    ("told not to", dict(num_q_heads=64, num_kv_heads=8, pack_kv_heads=False), False),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_which_batches_pack_kv_heads(device, case, ctor, packs):
     """Unless told not to (``pack_kv_heads=False``), an object packs plain decode rows of head dim
     64 over an FP8 cache whose two heads' query rows fit 16, on a table with an FP8 row of head
-    dim 128 (sm90), outside deterministic mode, and plans on that row."""
+    dim 128 (sm90), outside deterministic mode; each plans on the table row of the head dim it walks."""
     kw = dict(head_dim=D, page_size=PAGE, dtype=torch.bfloat16, device=device, max_batch_size=4,
               max_pages_per_request=8, kv_dtype=FP8) | ctor
     attn = evenkv.DecodeAttention(**kw)
-    assert attn.head_pack == (2 if packs else 1)
-    if packs:
-        assert attn.config == evenkv.decode_config(attn.arch, 2 * D, PAGE, kv_fp8=True)
-
-
-def test_kv_heads_walk_alone_when_told(device):
-    attn = evenkv.DecodeAttention(64, 8, D, PAGE, torch.bfloat16, device, 4, 8, kv_dtype=FP8, pack_kv_heads=False)
-    assert attn.head_pack == 1 and attn.config == evenkv.decode_config(attn.arch, D, PAGE, kv_fp8=True)
+    pack = 2 if packs else 1
+    assert attn.head_pack == pack
+    assert attn.config == evenkv.decode_config(attn.arch, pack * kw["head_dim"], PAGE, kv_fp8=kw["kv_dtype"] == FP8)
 
 
 def test_sink_limits(device):
