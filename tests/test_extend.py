@@ -883,7 +883,7 @@ def test_decode_reason_names_the_policy_and_mode(device, policy, deterministic, 
 
 
 def test_decode_reason_names_packed_kv_heads(device):
-    attn = Attention(16, 2, 64, 16, torch.bfloat16, device, 4, 8, kv_dtype=torch.float8_e4m3fn, pack_kv_heads=True)
+    attn = Attention(16, 2, 64, 16, torch.bfloat16, device, 4, 8, kv_dtype=torch.float8_e4m3fn)  # the default
     assert "KV heads walked 2 at a time, as one head of 128 columns" in attn.decode_reason
 
 
