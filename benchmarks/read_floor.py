@@ -9,7 +9,8 @@ measured in the same process. No attention kernel reads paged KV faster than thi
 reads a contiguous buffer of the same size, so a goal stated as a fraction of the copy
 bandwidth is only reachable where this floor is above it. KV bytes of the benchmark's
 points: Qwen3 (Hkv 4, D 128, bf16) 64 MiB at T = 32K, 512 MiB at 256K, 2 GiB at 1M;
-Llama-3-70B TP8 (Hkv 1) 128 MiB at 256K. Usage (GPU):
+Llama-3-70B TP8 (Hkv 1) 128 MiB at 256K; an FP8 cache holds half its bf16 bytes (Qwen3 and
+gpt-oss-20b 256 MiB at 256K, Llama-3-8B 512 MiB). Usage (GPU):
 
     python -m benchmarks.read_floor [--mib 32,64,128,256,512,1024,2048] [--out floor.csv]
 """
