@@ -17,7 +17,9 @@ each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd
 ``vllm-hnd`` (vLLM's caches: one ``[pages, page, Hkv, 2 * D]`` buffer, or ``[pages, Hkv, page,
 2 * D]`` with ``VLLM_KV_CACHE_LAYOUT=HND``, whose last dim holds K then V).
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
-then verify rows); ``--deterministic`` the batch-invariant mode. Where ``evenkv.configs.kv_head_pack``
+then verify rows); ``--deterministic`` the batch-invariant mode. ``--grids`` times each config at
+each listed persistent grid size (``DecodeAttention(num_ctas=...)``; ``default`` is the grid
+``DecodeAttention`` sizes itself): where the stream-K cuts of a batch fall depends on it. Where ``evenkv.configs.kv_head_pack``
 packs (head dim 64 over an FP8 cache), two KV heads walk as one of twice the head dim, as
 ``DecodeAttention`` does by default, and ``tables`` names that head dim's rows; ``--one-kv-head``
 walks each head alone (``pack_kv_heads=False``) on its own head dim's rows.
@@ -100,14 +102,28 @@ def write_csv(path, rows):
 def parse_config(name):
     """'bn64-w4-s5-c3-r128' -> DecodeConfig(block_n 64, 4 warps, 5 stages, 3 CTAs/SM, 128 registers
     (default: the compiler's)); merge launched as a programmatic dependent where the GPU has it.
-    A '-loops' suffix walks each segment in a loop of its own (``DecodeConfig.segment_loops``)."""
-    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?(-loops)?", name)
+    A '-loops' suffix walks each segment in a loop of its own (``DecodeConfig.segment_loops``),
+    a '-nopdl' suffix launches the merge after the decode kernel ends (no programmatic launch)."""
+    match = re.fullmatch(r"bn(\d+)-w(\d+)-s(\d+)-c(\d+)(?:-r(\d+))?(-loops)?(-nopdl)?", name)
     if match is None:
-        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>][-loops], "
-                         f"got {name!r}")
-    bn, warps, stages, ctas, regs, loops = match.groups()
+        raise ValueError(f"--configs: expected bn<block_n>-w<warps>-s<stages>-c<ctas/SM>[-r<max regs>][-loops]"
+                         f"[-nopdl], got {name!r}")
+    bn, warps, stages, ctas, regs, loops, no_pdl = match.groups()
     return DecodeConfig(name, int(bn), int(warps), int(stages), int(ctas), max_registers=int(regs) if regs else None,
-                        programmatic_launch=True, segment_loops=loops is not None)
+                        programmatic_launch=no_pdl is None, segment_loops=loops is not None)
+
+
+def parse_grids(text):
+    """'default,256,260' -> (None, 256, 260): persistent grid sizes, None for DecodeAttention's own."""
+    grids = []
+    for item in text.split(","):
+        if item == "default":
+            grids.append(None)
+        elif item.isdigit() and int(item) > 0:
+            grids.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"expected a comma list of positive ints or 'default', got {text!r}")
+    return tuple(grids)
 
 
 def table_configs(head_dim, page, rows, kv_fp8, archs=("sm80", "sm90")):
@@ -134,6 +150,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,8,64,512,2048")
     ap.add_argument("--dists", default="Uniform,Skewed80,2x40")
     ap.add_argument("--policies", default="balanced")
+    ap.add_argument("--grids", type=parse_grids, default=(None,),
+                    help="persistent grid sizes to time each config at: comma list of ints or 'default' (the default)")
     ap.add_argument("--kv-dtype", type=parse_choice_list(KV_DTYPES), default=("auto",),
                     help="a comma list of auto, fp8 (or all): each a sweep of its own in this process")
     ap.add_argument("--cache-layout", type=parse_choice_list(CACHE_LAYOUTS), default=("token-major",),
@@ -162,7 +180,7 @@ def main():
 
 
 def sweep(args, kv_dtype, layout, timer, copy_bw):
-    """Every (batch, distribution, config, policy) point over caches of ``kv_dtype`` stored in
+    """Every (batch, distribution, config, policy, grid) point over caches of ``kv_dtype`` stored in
     ``layout``: the CSV rows (and one printed line per point)."""
     total, page, shape = args.tokens, args.page, SHAPES[args.shape]
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
@@ -189,10 +207,10 @@ def sweep(args, kv_dtype, layout, timer, copy_bw):
             verify = dict(cu_seqlens_q=torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda"),
                           q_len=q_len) if q_len > 1 else {}
             first_out = None
-            for cfg, policy in itertools.product(configs, args.policies.split(",")):
+            for cfg, policy, grid in itertools.product(configs, args.policies.split(","), args.grids):
                 try:
                     attn = evenkv.DecodeAttention(hq, hkv, d, page, q.dtype, "cuda", batch, pt.shape[1], policy,
-                                                  config=cfg, kv_dtype=k.dtype, max_q_len=q_len,
+                                                  num_ctas=grid, config=cfg, kv_dtype=k.dtype, max_q_len=q_len,
                                                   deterministic=args.deterministic, pack_kv_heads=pack > 1)
                     plan = attn.plan(seq_lens, pt, **verify)
                     out = attn.run(plan, q, k, v, **scales)

@@ -1044,8 +1044,24 @@ def test_tune_decode_parses_config_names():
     assert cfg.programmatic_launch and not cfg.segment_loops
     assert tune_decode.parse_config("bn32-w8-s2-c4").max_registers is None
     assert tune_decode.parse_config("bn32-w4-s3-c2-r224-loops").segment_loops
+    no_pdl = tune_decode.parse_config("bn64-w4-s3-c2-r224-loops-nopdl")
+    assert no_pdl.segment_loops and not no_pdl.programmatic_launch and no_pdl.max_registers == 224
     with pytest.raises(ValueError, match="bn64-w4-sX-c3"):
         tune_decode.parse_config("bn64-w4-sX-c3")
+    with pytest.raises(ValueError, match="bn64-w4-s3-c2-nopdl-loops"):
+        tune_decode.parse_config("bn64-w4-s3-c2-nopdl-loops")
+
+
+def test_tune_decode_parses_grid_sizes(capsys):
+    """--grids: each config is timed at every listed persistent grid ('default': DecodeAttention's
+    own); anything but positive ints and 'default' is refused with the whole value named."""
+    from benchmarks import tune_decode
+    assert tune_decode.parse_args(["--out", "x.csv"]).grids == (None,)
+    assert tune_decode.parse_args(["--out", "x.csv", "--grids", "default,256,260"]).grids == (None, 256, 260)
+    for bad in ("256,0", "264,-8", "256,auto", ""):
+        with pytest.raises(SystemExit):
+            tune_decode.parse_args(["--out", "x.csv", "--grids", bad])
+        assert f"got {bad!r}" in capsys.readouterr().err
 
 
 def test_read_floor_kernel_sums_each_chunk():
