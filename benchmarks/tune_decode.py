@@ -19,10 +19,11 @@ each ``[pages, Hkv, page, D]``, so a page of one head is contiguous), ``vllm-nhd
 ``--q-len N`` times speculative-verify rows of N query tokens per request (the candidates are
 then verify rows); ``--deterministic`` the batch-invariant mode. ``--grids`` times each config at
 each listed persistent grid size (``DecodeAttention(num_ctas=...)``; ``default`` is the grid
-``DecodeAttention`` sizes itself): where the stream-K cuts of a batch fall depends on it. Where ``evenkv.configs.kv_head_pack``
-packs (head dim 64 over an FP8 cache), two KV heads walk as one of twice the head dim, as
-``DecodeAttention`` does by default, and ``tables`` names that head dim's rows; ``--one-kv-head``
-walks each head alone (``pack_kv_heads=False``) on its own head dim's rows.
+``DecodeAttention`` sizes itself): where the stream-K cuts of a batch fall depends on it.
+Where ``evenkv.configs.kv_head_pack`` packs (head dim 64 over an FP8 cache), two KV heads walk
+as one of twice the head dim, as ``DecodeAttention`` does by default, and ``tables`` names that
+head dim's rows; ``--one-kv-head`` walks each head alone (``pack_kv_heads=False``) on its own
+head dim's rows.
 """
 
 import argparse
