@@ -194,12 +194,13 @@ def stream_fused_merges(reads, fused_pieces):
     return {key: (slots[0] - 1) // 2 for key, slots in reads.items() if len(slots) <= fused_pieces}
 
 
-def stream_merge_shares(plan, num_ctas, num_kv_heads, fused_pieces, consts):
-    """What each program j of merge_stream_kernel merges (its selection and sharing rule,
-    for the step shapes in ``consts``, from ``merge_stream_constants``):
-    {(b, h): [(j, row, first column, end column)]}; a segment has G rows per query token."""
+def stream_merge_shares(plan, num_ctas, num_kv_heads, fused_pieces, consts, splits=1):
+    """What each program (j, s) of merge_stream_kernel's grid (num_ctas, splits) merges (its
+    selection and sharing rule, for the step shapes in ``consts``, from
+    ``merge_stream_constants``): {(b, h): [(j, s, row, first column, end column)]}; a segment
+    has G rows per query token."""
     piece, active, cta_start = plan["piece"], plan["active_req"], plan["cta_start"]
-    group, head_dim = consts["G"], consts["HEAD_DIM"]
+    group, head_dim, row_group = consts["G"], consts["HEAD_DIM"], consts["ROW_GROUP"]
     shares = {}
     if (plan["max_tiles"] - 1 + piece - 1) // piece + 1 <= fused_pieces:  # the kernel's early exit
         return shares
@@ -215,15 +216,18 @@ def stream_merge_shares(plan, num_ctas, num_kv_heads, fused_pieces, consts):
         pieces = (first_tile + n - 1) // piece - first_cta + 1
         if not (first_tile < x < first_tile + n and pieces > fused_pieces):
             continue
-        t, helpers = j - first_cta - 1, pieces - 1
         mine = shares.setdefault((b, h), [])
-        if pieces <= consts["WHOLE_P"]:
-            if t == 0:
-                mine += [(j, row, 0, head_dim) for row in range(rows)]
-        elif pieces <= consts["ROW_P"]:
-            mine += [(j, row, 0, head_dim) for row in range(t, rows, helpers)]
-        else:
-            chunk, chunks = consts["CHUNK_D"], consts["D_CHUNKS"]
-            mine += [(j, item // chunks, item % chunks * chunk, min(item % chunks * chunk + chunk, head_dim))
-                     for item in range(t, rows * chunks, helpers)]
+        helpers = (pieces - 1) * splits
+        for s in range(splits):
+            t = j - first_cta - 1 + (pieces - 1) * s
+            if pieces <= consts["WHOLE_P"]:
+                if t == 0:
+                    mine += [(j, s, row, 0, head_dim) for row in range(rows)]
+            elif pieces <= consts["ROW_P"]:
+                mine += [(j, s, row, 0, head_dim) for g in range(t, -(-rows // row_group), helpers)
+                         for row in range(g * row_group, min(g * row_group + row_group, rows))]
+            else:
+                chunk, chunks = consts["CHUNK_D"], consts["D_CHUNKS"]
+                mine += [(j, s, item // chunks, item % chunks * chunk, min(item % chunks * chunk + chunk, head_dim))
+                         for item in range(t, rows * chunks, helpers)]
     return shares

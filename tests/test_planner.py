@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evenkv
-from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants
+from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants, merge_stream_grid
 from planner_oracle import (chunks, fa3_plan, merge_lists, simulate_stream, stream_fused_merges, stream_merge_reads,
                             stream_merge_shares, stream_plan)
 
@@ -125,12 +125,13 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         for group, head_dim in MERGE_SHAPES:
             query = QueryRows(max_q_len if want["multi_q"] else 1, group * max_q_len)
             consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False, query)
-            shares = stream_merge_shares(want, num_ctas, num_kv_heads, fused_pieces, consts)
+            _, splits = merge_stream_grid(num_ctas, head_dim, query)
+            shares = stream_merge_shares(want, num_ctas, num_kv_heads, fused_pieces, consts, splits)
             assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
             for (b, h), parts in shares.items():
                 rows = group * int(want["q_len"][b]) if want["multi_q"] else group
                 cover = np.zeros((rows, head_dim), dtype=np.int64)
-                for _, row, col0, col1 in parts:
+                for _, _, row, col0, col1 in parts:
                     cover[row, col0:col1] += 1
                 assert (cover == 1).all(), ((b, h), fused_pieces, group, head_dim, len(reads[(b, h)]))
 

@@ -844,18 +844,19 @@ def _arrive_and_merge(o_part_ptr, lse_part_ptr, merge_counters_ptr, out_ptr, str
 
 @triton.jit
 def _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q, h, t,
-                  first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
-                  CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr):
-    """Helper t of the pieces - 1 programs inside a segment merges its share (``merge_stream_kernel``):
-    rows t, t + (pieces - 1), ... (pieces <= ROW_P), else (row, CHUNK_D columns) items so."""
-    helpers = pieces - 1
+                  helpers, first_cta, pieces, G: tl.constexpr, SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, ROW_GROUP: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
+                  D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr,
+                  HEAD_PACK: tl.constexpr):
+    """Helper t of the ``helpers`` programs of a segment merges its share (``merge_stream_kernel``):
+    groups t, t + helpers, ... of ROW_GROUP rows (pieces <= ROW_P), else (row, CHUNK_D columns)
+    items so."""
     rows = _segment_rows(q_len, G, MULTI_Q)
     if pieces <= ROW_P:
-        for row in range(t, rows, helpers):
+        for group in range(t, tl.cdiv(rows, ROW_GROUP), helpers):
             _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
-                          h, row, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, 1, BLOCK_D, ROW_P, HAS_SINKS,
-                          MULTI_Q, HEAD_PACK)
+                          h, group * ROW_GROUP, 0, first_cta, pieces, 2, 0, 1, G, SLOT_ROWS, HEAD_DIM, ROW_GROUP,
+                          BLOCK_D, ROW_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
     else:
         for item in range(t, rows * D_CHUNKS, helpers):
             _merge_to_out(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len, total_q,
@@ -868,25 +869,27 @@ def merge_stream_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, active_req_ptr, cta_start_ptr, plan_scalars_ptr, sinks_ptr, stride_ob,
     stride_oh, window, total_q,
     NUM_KV_HEADS: tl.constexpr, G: tl.constexpr, SLOT_ROWS: tl.constexpr, WHOLE_ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_P: tl.constexpr, CHUNK_D: tl.constexpr,
-    D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_MERGE_PIECES: tl.constexpr,
-    USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr, HEAD_PACK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHOLE_P: tl.constexpr, ROW_GROUP: tl.constexpr,
+    ROW_P: tl.constexpr, CHUNK_D: tl.constexpr, D_CHUNKS: tl.constexpr, CHUNK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSED_MERGE_PIECES: tl.constexpr, USE_PDL: tl.constexpr, HAS_SINKS: tl.constexpr, MULTI_Q: tl.constexpr,
+    HEAD_PACK: tl.constexpr,
 ):
-    """Grid (C,). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
+    """Grid (C, S). Merges every segment cut into more than FUSED_MERGE_PIECES pieces (fewer
     are merged inside ``decode_stream_kernel``), with the programs of the CTA boundaries
     inside it: a segment of P pieces holds P - 1 boundaries (CTAs first_cta + 1 ..
-    first_cta + P - 1 start inside its tiles), and the t-th of them takes a share of the
-    segment's [rows, HEAD_DIM] output (rows = G per query token) sized so that each program
-    takes one or a few steps:
+    first_cta + P - 1 start inside its tiles), each with S programs (S > 1 for verify rows, whose
+    segments have G rows per query token), and the t-th of those H = (P - 1) S helpers takes a
+    share of the segment's [rows, HEAD_DIM] output sized so that each program takes one or a
+    few steps:
 
     * P <= WHOLE_P (0 when a segment's rows make the step too large): the first one merges
       all rows in one [WHOLE_P, WHOLE_ROWS, BLOCK_D] step;
-    * P <= ROW_P: rows t, t + (P - 1), ..., one [ROW_P, 1, BLOCK_D] step each;
-    * more: items t, t + (P - 1), ... of the rows * D_CHUNKS (row, CHUNK_D columns) items
+    * P <= ROW_P: groups t, t + H, ... of ROW_GROUP rows, one [ROW_P, ROW_GROUP, BLOCK_D] step each;
+    * more: items t, t + H, ... of the rows * D_CHUNKS (row, CHUNK_D columns) items
       (D_CHUNKS = cdiv(HEAD_DIM, CHUNK_D)), each in cdiv(P, CHUNK_P) [CHUNK_P, 1, CHUNK_D] steps.
 
     The request at boundary j is the one CTA j starts in (``cta_start[j]``, ``active_req``).
-    One program per CTA fits in one wave once the decode kernel's CTAs leave.
+    Plain decode rows' grid (S = 1) fits in one wave once the decode kernel's CTAs leave.
 
     USE_PDL (programmatic dependent launch, sm90): this grid is launched while the decode
     kernel runs; each program finds its segment, then waits (``gdc_wait``) for the decode
@@ -919,7 +922,8 @@ def merge_stream_kernel(
             if USE_PDL:
                 gdc_wait()
             # CTA c stored this segment at slot 2c, or 2c + 1 when c is the first CTA.
-            t = j - first_cta - 1
+            t = j - first_cta - 1 + (pieces - 1) * tl.program_id(1)
+            helpers = (pieces - 1) * tl.num_programs(1)
             if WHOLE_P > 0:
                 if pieces <= WHOLE_P:
                     if t == 0:
@@ -928,12 +932,12 @@ def merge_stream_kernel(
                                       WHOLE_ROWS, BLOCK_D, WHOLE_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
                 else:
                     _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
-                                  total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
-                                  D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
+                                  total_q, h, t, helpers, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_GROUP,
+                                  ROW_P, CHUNK_D, D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
             else:
                 _merge_shares(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, sinks_ptr, q_start, q_len,
-                              total_q, h, t, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_P, CHUNK_D,
-                              D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
+                              total_q, h, t, helpers, first_cta, pieces, G, SLOT_ROWS, HEAD_DIM, BLOCK_D, ROW_GROUP,
+                              ROW_P, CHUNK_D, D_CHUNKS, CHUNK_P, HAS_SINKS, MULTI_Q, HEAD_PACK)
 
 
 @triton.jit(do_not_specialize=["stride_pt", "window", "num_pages", "max_q_len", "total_q"])

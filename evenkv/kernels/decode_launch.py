@@ -34,6 +34,9 @@ MERGE_UNITS_NUM_WARPS = 1
 MERGE_UNITS_CTAS_PER_SM = 32
 # merge_stream_kernel merges a segment of at most MERGE_WHOLE_PIECES pieces in one program
 # (all rows in one step); one of more pieces has at least that many programs to share it.
+# Verify rows' segments (G rows per query token) are shared in groups of rows of up to
+# MERGE_WHOLE_PIECES partials a step, by enough programs per CTA boundary that each takes one
+# group (``merge_stream_grid``): a program's steps are a chain of dependent L2 round trips.
 # merge_units_kernel merges a request of at most that many splits in items of all columns.
 # (A [16 pieces, 4 rows, 64] step spilled on sm_80.)
 MERGE_WHOLE_PIECES = 8
@@ -101,18 +104,36 @@ def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, que
                 MULTI_Q=query.multi_q, HEAD_PACK=query.head_pack)
 
 
+def merge_row_group(block_d: int, query: QueryRows) -> int:
+    """Rows of one step of merge_stream_kernel's row path: 1 for plain decode rows, for verify
+    rows as many as a step of MERGE_WHOLE_PIECES partials of block_d columns holds."""
+    if not query.multi_q:
+        return 1
+    return max(1, min(triton.next_power_of_2(query.slot_rows), MERGE_TILE // (MERGE_WHOLE_PIECES * block_d)))
+
+
+def merge_stream_grid(num_ctas: int, head_dim: int, query: QueryRows) -> tuple[int, int]:
+    """merge_stream_kernel's grid (C, S): S programs per CTA boundary, so that a segment of the
+    fewest pieces it merges (FUSED_MERGE_PIECES + 1, FUSED_MERGE_PIECES boundaries) gives
+    each program one group of merge_row_group rows."""
+    groups = triton.cdiv(query.slot_rows, merge_row_group(triton.next_power_of_2(head_dim), query))
+    return num_ctas, triton.cdiv(groups, FUSED_MERGE_PIECES) if query.multi_q else 1
+
+
 @functools.cache  # built once per shape: launches unpack the dict and never change it
 def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, config, use_pdl: bool,
                            query: QueryRows, has_sinks: bool = False) -> dict:
     """Compile-time constants of ``merge_stream_kernel``: its three step shapes, each of at most
-    MERGE_TILE elements (all of a segment's rows, WHOLE_P = 0 where they do not fit; one row;
-    one row's MERGE_CHUNK_D columns)."""
+    MERGE_TILE elements (all of a segment's rows, WHOLE_P = 0 where they do not fit; ROW_GROUP
+    rows, one for plain decode rows; one row's MERGE_CHUNK_D columns)."""
     block_d = triton.next_power_of_2(head_dim)
     whole_rows = triton.next_power_of_2(query.slot_rows)
     chunk_d = min(MERGE_CHUNK_D, block_d)
+    row_group = merge_row_group(block_d, query)
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, WHOLE_ROWS=whole_rows,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, WHOLE_P=min(MERGE_WHOLE_PIECES, MERGE_TILE // (whole_rows * block_d)),
-                ROW_P=MERGE_TILE // block_d, CHUNK_D=chunk_d, D_CHUNKS=triton.cdiv(head_dim, chunk_d),
+                ROW_GROUP=row_group, ROW_P=MERGE_TILE // (row_group * block_d), CHUNK_D=chunk_d,
+                D_CHUNKS=triton.cdiv(head_dim, chunk_d),
                 CHUNK_P=MERGE_TILE // chunk_d, BLOCK_N=config.block_n, FUSED_MERGE_PIECES=FUSED_MERGE_PIECES,
                 USE_PDL=use_pdl, HAS_SINKS=has_sinks, MULTI_Q=query.multi_q, HEAD_PACK=query.head_pack)
 
@@ -205,18 +226,19 @@ def launch_decode_stream(q, k_cache, v_cache, out, o_part, lse_part, merge_count
 
 def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, query: QueryRows, num_kv_heads: int,
                         config, use_pdl: bool, warmup: bool = False):
-    """Grid (C,): one program per CTA boundary of ``schedule`` (see merge_stream_kernel); num_kv_heads
-    counts the packs (``packed_geometry``). use_pdl: launched as a programmatic dependent of
-    the decode kernel (sm90 only)."""
+    """Grid (C, S): S programs per CTA boundary of ``schedule`` (see merge_stream_kernel,
+    ``merge_stream_grid``); num_kv_heads counts the packs (``packed_geometry``). use_pdl:
+    launched as a programmatic dependent of the decode kernel (sm90 only)."""
     pdl = dict(launch_pdl=True) if use_pdl else {}
     sinks = terms.sinks if terms.sinks is not None else out
     s = schedule
+    head_dim = out.shape[2] * query.head_pack
     return launch_or_compile(
-        merge_stream_kernel, (s.num_ctas,), warmup,
+        merge_stream_kernel, merge_stream_grid(s.num_ctas, head_dim, query), warmup,
         o_part, lse_part, out, s.active_req, s.cta_start, s.plan_scalars, sinks, out.stride(0), out.stride(1),
         terms.window, out.shape[0],
-        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, out.shape[2] * query.head_pack, config,
-                                 use_pdl, query, terms.sinks is not None),
+        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, head_dim, config, use_pdl, query,
+                                 terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
 
