@@ -125,7 +125,7 @@ def _stream_invariants(want, cfg, num_kv_heads, num_ctas):
         for group, head_dim in MERGE_SHAPES:
             query = QueryRows(max_q_len if want["multi_q"] else 1, group * max_q_len)
             consts = merge_stream_constants(num_kv_heads, group, head_dim, cfg, False, query)
-            _, splits = merge_stream_grid(num_ctas, head_dim, query)
+            _, splits = merge_stream_grid(num_ctas, group, head_dim, query)
             shares = stream_merge_shares(want, num_ctas, num_kv_heads, fused_pieces, consts, splits)
             assert not set(shares) & set(fused) and set(shares) | set(fused) == set(reads)
             for (b, h), parts in shares.items():

@@ -364,22 +364,23 @@ def _verify_merge_path(pieces, consts):
     return "groups" if pieces <= consts["ROW_P"] else "chunks"
 
 
-@pytest.mark.parametrize("q_len,head_dim,num_ctas,path", [
-    (8, 64, 3, "fused"), (8, 64, 6, "groups"), (2, 64, 6, "groups"), (8, 128, 8, "groups"), (5, 80, 7, "groups"),
-    (8, 64, 14, "chunks")])
-def test_verify_merges(device, q_len, head_dim, num_ctas, path):
+@pytest.mark.parametrize("q_len,max_q_len,head_dim,num_ctas,path", [
+    (8, 8, 64, 3, "fused"), (8, 8, 64, 6, "groups"), (2, 2, 64, 6, "groups"), (2, 16, 64, 6, "groups"),
+    (8, 8, 128, 8, "groups"), (5, 5, 80, 7, "groups"), (8, 8, 64, 14, "chunks")])
+def test_verify_merges(device, q_len, max_q_len, head_dim, num_ctas, path):
     """Verify rows (G = 8: 8 x q_len rows a segment) of a long request cut into pieces, merged
     inside the decode kernel (few pieces) or by merge_stream_kernel, whose S programs per CTA
     boundary share a segment's rows in groups (ROW_GROUP rows a step: 8 at head dim 64, 4 at
     128) or in (row, column chunk) items, to the reference; head dim 80 and q_len 5 mask columns
-    and rows of a group. A second run of the plan gives the same bytes (the fused merges' counters
-    are reset)."""
+    and rows of a group; rows of 2 tokens in an object of up to 16 take their own bucket's
+    groups and grid (partial slots of 128 rows). A second run of the plan gives the same bytes
+    (the fused merges' counters are reset)."""
     from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES, QueryRows, merge_stream_constants, merge_stream_grid
     hq, hkv, ps, dtype = 8, 1, 16, torch.bfloat16
     lens, q_lens = [1200, 5, 0, 70], [q_len, 2, 1, q_len]
     q, kc, vc, seq_lens, pt, cu = verify_batch(lens, q_lens, hq, hkv, head_dim, ps, dtype, device, seed=5)
     attn = evenkv.DecodeAttention(hq, hkv, head_dim, ps, dtype, device, len(lens), pt.shape[1], num_ctas=num_ctas,
-                                  max_q_len=q_len)
+                                  max_q_len=max_q_len)
     plan = attn.plan(seq_lens, pt, cu_seqlens_q=cu, q_len=q_len)
     config = attn.launch_config(len(lens), q_len)[0]
     piece, n = int(plan.schedule.plan_scalars[0]), -(-lens[0] // config.block_n)
@@ -388,7 +389,7 @@ def test_verify_merges(device, q_len, head_dim, num_ctas, path):
     assert _verify_merge_path((n - 1) // piece + 1, consts) == path, ((n - 1) // piece + 1, consts["ROW_P"])
     # The fewest programs per boundary that leave one row group to each helper of a segment of
     # FUSED_MERGE_PIECES + 1 pieces.
-    splits, groups = merge_stream_grid(num_ctas, head_dim, query)[1], -(-8 * q_len // consts["ROW_GROUP"])
+    splits, groups = merge_stream_grid(num_ctas, 8, head_dim, query)[1], -(-8 * q_len // consts["ROW_GROUP"])
     assert (splits - 1) * FUSED_MERGE_PIECES < groups <= splits * FUSED_MERGE_PIECES
     first = attn.run(plan, q, kc, vc)
     assert_extend_close_to_reference(first, q, kc, vc, cu, seq_lens, pt, ps)

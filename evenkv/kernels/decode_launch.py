@@ -104,20 +104,24 @@ def merge_units_constants(num_kv_heads: int, group_size: int, head_dim: int, que
                 MULTI_Q=query.multi_q, HEAD_PACK=query.head_pack)
 
 
-def merge_row_group(block_d: int, query: QueryRows) -> int:
-    """Rows of one step of merge_stream_kernel's row path: 1 for plain decode rows, for verify
-    rows as many as a step of MERGE_WHOLE_PIECES partials of block_d columns holds."""
+def merge_row_group(block_d: int, group_size: int, query: QueryRows) -> int:
+    """Rows of one step of merge_stream_kernel's row path: 1 for plain decode rows; for verify
+    rows (group_size x query.max_q_len rows a segment at most) as many as a step of
+    MERGE_WHOLE_PIECES partials of block_d columns holds."""
     if not query.multi_q:
         return 1
-    return max(1, min(triton.next_power_of_2(query.slot_rows), MERGE_TILE // (MERGE_WHOLE_PIECES * block_d)))
+    rows = triton.next_power_of_2(group_size * query.max_q_len)
+    return max(1, min(rows, MERGE_TILE // (MERGE_WHOLE_PIECES * block_d)))
 
 
-def merge_stream_grid(num_ctas: int, head_dim: int, query: QueryRows) -> tuple[int, int]:
+def merge_stream_grid(num_ctas: int, group_size: int, head_dim: int, query: QueryRows) -> tuple[int, int]:
     """merge_stream_kernel's grid (C, S): S programs per CTA boundary, so that a segment of the
     fewest pieces it merges (FUSED_MERGE_PIECES + 1, FUSED_MERGE_PIECES boundaries) gives
     each program one group of merge_row_group rows."""
-    groups = triton.cdiv(query.slot_rows, merge_row_group(triton.next_power_of_2(head_dim), query))
-    return num_ctas, triton.cdiv(groups, FUSED_MERGE_PIECES) if query.multi_q else 1
+    if not query.multi_q:
+        return num_ctas, 1
+    row_group = merge_row_group(triton.next_power_of_2(head_dim), group_size, query)
+    return num_ctas, triton.cdiv(triton.cdiv(group_size * query.max_q_len, row_group), FUSED_MERGE_PIECES)
 
 
 @functools.cache  # built once per shape: launches unpack the dict and never change it
@@ -129,7 +133,7 @@ def merge_stream_constants(num_kv_heads: int, group_size: int, head_dim: int, co
     block_d = triton.next_power_of_2(head_dim)
     whole_rows = triton.next_power_of_2(query.slot_rows)
     chunk_d = min(MERGE_CHUNK_D, block_d)
-    row_group = merge_row_group(block_d, query)
+    row_group = merge_row_group(block_d, group_size, query)
     return dict(NUM_KV_HEADS=num_kv_heads, G=group_size, SLOT_ROWS=query.slot_rows, WHOLE_ROWS=whole_rows,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, WHOLE_P=min(MERGE_WHOLE_PIECES, MERGE_TILE // (whole_rows * block_d)),
                 ROW_GROUP=row_group, ROW_P=MERGE_TILE // (row_group * block_d), CHUNK_D=chunk_d,
@@ -232,13 +236,12 @@ def launch_merge_stream(o_part, lse_part, out, schedule, terms: LayerTerms, quer
     pdl = dict(launch_pdl=True) if use_pdl else {}
     sinks = terms.sinks if terms.sinks is not None else out
     s = schedule
-    head_dim = out.shape[2] * query.head_pack
+    group, head_dim = out.shape[1] // num_kv_heads, out.shape[2] * query.head_pack
     return launch_or_compile(
-        merge_stream_kernel, merge_stream_grid(s.num_ctas, head_dim, query), warmup,
+        merge_stream_kernel, merge_stream_grid(s.num_ctas, group, head_dim, query), warmup,
         o_part, lse_part, out, s.active_req, s.cta_start, s.plan_scalars, sinks, out.stride(0), out.stride(1),
         terms.window, out.shape[0],
-        **merge_stream_constants(num_kv_heads, out.shape[1] // num_kv_heads, head_dim, config, use_pdl, query,
-                                 terms.sinks is not None),
+        **merge_stream_constants(num_kv_heads, group, head_dim, config, use_pdl, query, terms.sinks is not None),
         num_warps=MERGE_NUM_WARPS, **pdl)
 
 
