@@ -75,6 +75,16 @@ def assert_extend_close_to_reference(out, q, k_cache, v_cache, cu_seqlens_q, seq
 K_SCALE, V_SCALE = 0.05, 0.04
 
 
+def stream_merge_path(pieces, consts):
+    """Which of merge_stream_kernel's step shapes (``consts``, from ``merge_stream_constants``)
+    a segment of ``pieces`` pieces takes: ``whole``, ``rows`` (ROW_GROUP rows a step) or
+    ``chunks``; ``fused``: merged inside the decode kernel."""
+    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
+    if pieces <= FUSED_MERGE_PIECES:
+        return "fused"
+    return "whole" if pieces <= consts["WHOLE_P"] else "rows" if pieces <= consts["ROW_P"] else "chunks"
+
+
 def call_terms(terms: dict, k_cache, v_cache, device):
     """The per-call side of a test's layer ``terms``: "sinks" (logits for 4 query heads) and
     "fp8" (the caches quantized to e4m3 with K_SCALE and V_SCALE). Returns (k_cache, v_cache,

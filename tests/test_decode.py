@@ -9,7 +9,7 @@ import torch
 
 import evenkv
 from evenkv.kernels.plan_launch import PAGE_TABLE_BLOCK
-from helpers import aot_compile, assert_close_to_reference, make_paged_batch
+from helpers import aot_compile, assert_close_to_reference, make_paged_batch, stream_merge_path
 
 BATCHES = {
     "uniform": [40, 40, 40, 40],
@@ -192,15 +192,6 @@ def test_units_merge_item_classes(device, policy, lens, classes):
     assert_close_to_reference(attn.run(plan, q, k_cache, v_cache), q, k_cache, v_cache, seq_lens, page_table, 16)
 
 
-def _stream_merge_path(pieces, consts):
-    """Which of merge_stream_kernel's step shapes a segment of ``pieces`` pieces takes
-    (``fused``: merged inside the decode kernel)."""
-    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
-    if pieces <= FUSED_MERGE_PIECES:
-        return "fused"
-    return "whole" if pieces <= consts["WHOLE_P"] else "rows" if pieces <= consts["ROW_P"] else "chunks"
-
-
 @pytest.mark.parametrize("num_kv_heads,head_dim,num_ctas,path", [
     (1, 80, 2, "fused"), (2, 80, 8, "fused"), (1, 64, 6, "whole"), (1, 80, 6, "rows"), (1, 80, 40, "rows"),
     (1, 80, 80, "chunks"), (1, 256, 25, "chunks")])
@@ -224,7 +215,7 @@ def test_stream_merges(device, num_kv_heads, head_dim, num_ctas, path):
     piece, n = int(plan.schedule.plan_scalars[0]), -(-3000 // attn.config.block_n)
     long_pieces = (n - 1) // piece + 1
     consts = merge_stream_constants(num_kv_heads, 7, head_dim, attn.config, False, QueryRows(1, 7))
-    assert _stream_merge_path(long_pieces, consts) == path, (long_pieces, piece)
+    assert stream_merge_path(long_pieces, consts) == path, (long_pieces, piece)
     first = attn.run(plan, q, k_cache, v_cache)
     assert_close_to_reference(first, q, k_cache, v_cache, seq_lens, page_table, 16)
     assert int(attn._merge_counters.abs().sum()) == 0

@@ -12,7 +12,7 @@ import torch
 
 import evenkv
 from helpers import (K_SCALE, V_SCALE, assert_close_to_reference, assert_extend_close_to_reference, call_terms,
-                     fp8_caches, make_paged_batch, max_error)
+                     fp8_caches, make_paged_batch, max_error, stream_merge_path)
 
 # (request lengths, query tokens of each): a long request cut across CTAs, a short one, one
 # of a single token, a padding row (seq_len 0) that keeps two q rows, a request of no query.
@@ -355,18 +355,9 @@ def test_many_segments_verify_rows(device, deterministic, kv_fp8):
     assert wide.launch_config(threshold, 8)[0] == expected
 
 
-def _verify_merge_path(pieces, consts):
-    """Which merge a cut segment of verify rows in ``pieces`` pieces takes (``fused``: inside the
-    decode kernel)."""
-    from evenkv.kernels.decode_launch import FUSED_MERGE_PIECES
-    if pieces <= FUSED_MERGE_PIECES:
-        return "fused"
-    return "groups" if pieces <= consts["ROW_P"] else "chunks"
-
-
 @pytest.mark.parametrize("q_len,max_q_len,head_dim,num_ctas,path", [
-    (8, 8, 64, 3, "fused"), (8, 8, 64, 6, "groups"), (2, 2, 64, 6, "groups"), (2, 16, 64, 6, "groups"),
-    (8, 8, 128, 8, "groups"), (5, 5, 80, 7, "groups"), (8, 8, 64, 14, "chunks")])
+    (8, 8, 64, 3, "fused"), (8, 8, 64, 6, "rows"), (2, 2, 64, 6, "rows"), (2, 16, 64, 6, "rows"),
+    (8, 8, 128, 8, "rows"), (5, 5, 80, 7, "rows"), (8, 8, 64, 14, "chunks")])
 def test_verify_merges(device, q_len, max_q_len, head_dim, num_ctas, path):
     """Verify rows (G = 8: 8 x q_len rows a segment) of a long request cut into pieces, merged
     inside the decode kernel (few pieces) or by merge_stream_kernel, whose S programs per CTA
@@ -386,7 +377,7 @@ def test_verify_merges(device, q_len, max_q_len, head_dim, num_ctas, path):
     piece, n = int(plan.schedule.plan_scalars[0]), -(-lens[0] // config.block_n)
     query = QueryRows(q_len, 8 * q_len)
     consts = merge_stream_constants(hkv, 8, head_dim, config, False, query)
-    assert _verify_merge_path((n - 1) // piece + 1, consts) == path, ((n - 1) // piece + 1, consts["ROW_P"])
+    assert stream_merge_path((n - 1) // piece + 1, consts) == path, ((n - 1) // piece + 1, consts["ROW_P"])
     # The fewest programs per boundary that leave one row group to each helper of a segment of
     # FUSED_MERGE_PIECES + 1 pieces.
     splits, groups = merge_stream_grid(num_ctas, 8, head_dim, query)[1], -(-8 * q_len // consts["ROW_GROUP"])
