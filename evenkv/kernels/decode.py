@@ -242,7 +242,7 @@ def _token_rows(head_ptr, page, tok, stride_off, stride_page, PAGE_SIZE: tl.cons
     if PAGE_GAP:
         rows = head_ptr + (page.to(tl.int64) * stride_page + (tok & (PAGE_SIZE - 1)) * stride_off)[:, None]
     else:
-        slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
+        slot = page.to(tl.int64) * PAGE_SIZE + (tok & (PAGE_SIZE - 1))
         rows = head_ptr + slot[:, None] * stride_off
     return rows
 
@@ -252,7 +252,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
                  stride_v_head, page_row_ptr, tok0, seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale, m, l,
                  acc, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                 MULTI_Q: tl.constexpr, TREE: tl.constexpr, HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr):
+                 MULTI_Q: tl.constexpr, TREE: tl.constexpr, HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr,
+                 LOOP_PER_SEGMENT: tl.constexpr):
     """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
     tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
     page-table tail and the unused part of the last page are never read; MULTI_Q: each row
@@ -267,13 +268,23 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
     flags it). Tokens are addressed by ``_token_rows``.
 
     Returns the new (m [ROWS] running base-2 max, l [ROWS] running sum, acc [ROWS,
-    BLOCK_D] fp32 unnormalised)."""
+    BLOCK_D] fp32 unnormalised).
+
+    Tiles of 64+ rows take wgmma dots on sm90, and the PV dot is waited for in its own tile:
+    in the walk's one loop across segments Triton 3.6 would leave it in flight into the next
+    tile while the segment-end store and reset read and rewrite acc, and ptxas then serializes
+    every wgmma of the kernel (its note C7515). A loop per segment (LOOP_PER_SEGMENT,
+    ``_attend_tiles``) reads acc only after its end, so there the two PV dots of an FP8 tile stay
+    in flight over the next tile's loads and QK dots; a bf16 cache's one dot keeps the wait (in
+    flight it timed no faster, and head dim 256's 64-row tile then reloads one more value from
+    local memory a tile)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     tok = tok0 + offs_n
     mask_n = tok < seq_len
-    page = tl.load(page_row_ptr + tok // PAGE_SIZE, mask=mask_n, other=0)
+    # tok >= 0: an unsigned division is one shift.
+    page = tl.load(page_row_ptr + tok.to(tl.uint32) // PAGE_SIZE, mask=mask_n, other=0)
     # One unsigned compare covers negative ids too.
     key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     KV_FP8: tl.constexpr = k_head.dtype.element_ty == tl.float8e4nv
@@ -293,10 +304,13 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
         k = tl.load(_token_rows(k_head, page, tok, stride_k_slot, stride_k_page, PAGE_SIZE, PAGE_GAP) +
                     offs_d[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k.to(q.dtype)))
+    # Without a soft-cap the scores stay unscaled until the exponent: a row's max is scaled once
+    # (qk_scale > 0 keeps it the max) and each score's scale and shift are one fused multiply-add.
     if SOFTCAP:
         s = soft_cap(s, qk_scale, cap_scale)
+        score_scale = 1.0
     else:
-        s = s * qk_scale
+        score_scale = qk_scale
     if MULTI_Q:
         # Only a tile that reaches the new tokens or starts before the last row's window (the
         # narrowest: keys > seq_len - 1 - W) is masked; the prefix tiles inside every row's
@@ -304,16 +318,16 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
         if (tok0 + BLOCK_N > seq_len - q_len) | ((window > 0) & (tok0 < seq_len - window)):
             s = tl.where(mask_n[None, :] & _seen_keys(tok, seq_len, q_len, tree, window, G, ROWS, TREE), s,
                          float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, tl.max(s, 1) * score_scale)
         # A row that has seen no key yet (m_new = -inf: a causal row in a tile of later
         # tokens) keeps acc = l = 0 instead of computing -inf - -inf.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         # Every row sees every key of the tile, one at least.
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, tl.max(s, 1) * score_scale)
         m_use = m_new
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(s * score_scale - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = l * alpha + tl.sum(p, 1)
     if KV_FP8:
@@ -331,11 +345,7 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
         v = tl.load(_token_rows(v_head, page, tok, stride_v_slot, stride_v_page, PAGE_SIZE, PAGE_GAP) +
                     offs_d[None, :], mask=kv_mask, other=0.0)
         acc = dot_acc(narrow(p, q.dtype), v.to(q.dtype), acc * alpha[:, None])
-    if ROWS >= 64:
-        # Tiles of 64+ rows take wgmma dots on sm90. Triton 3.6 would leave this one in flight
-        # into the next tile while the segment-end store and reset read and rewrite acc, and
-        # ptxas then serializes every wgmma of the kernel (note C7515): each of the QK dot's 8
-        # steps waited for the one before.
+    if ROWS >= 64 and not (LOOP_PER_SEGMENT and KV_FP8):
         acc = settled(acc)
     return m_new, l, acc
 
@@ -362,7 +372,8 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, 
         m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot,
                                  stride_v_page, stride_v_head, page_row_ptr, first_tok + tile * BLOCK_N, seq_len,
                                  q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS, PAGE_SIZE,
-                                 PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP)
+                                 PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP,
+                                 LOOP_PER_SEGMENT=True)
     return acc, m, l
 
 
@@ -684,7 +695,7 @@ def decode_stream_kernel(
                                      page_table_ptr + b.to(tl.int64) * stride_pt, first_tok + tile * BLOCK_N, seq_len,
                                      q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS,
                                      PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE,
-                                     HEAD_PACK, PACK_GAP)
+                                     HEAD_PACK, PACK_GAP, LOOP_PER_SEGMENT=False)
             if DETERMINISTIC:
                 # The chunk's last tile: store it, fresh accumulator after.
                 chunk_left -= 1
