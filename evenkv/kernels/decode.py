@@ -248,15 +248,25 @@ def _token_rows(head_ptr, page, tok, stride_off, stride_page, PAGE_SIZE: tl.cons
 
 
 @triton.jit
+def _tile_pages(page_row_ptr, tok0, seq_len, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] int32 page ids of tokens tok0 .. tok0 + BLOCK_N - 1 from a request's page-table
+    row (0 for tokens at or past ``seq_len``: the table's tail is never read)."""
+    tok = tok0 + tl.arange(0, BLOCK_N)
+    # tok >= 0: an unsigned division is one shift.
+    return tl.load(page_row_ptr + tok.to(tl.uint32) // PAGE_SIZE, mask=tok < seq_len, other=0)
+
+
+@triton.jit
 def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot, stride_v_page,
-                 stride_v_head, page_row_ptr, tok0, seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale, m, l,
-                 acc, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
+                 stride_v_head, page_row_ptr, page, tok0, seq_len, q_len, tree, window, num_pages, qk_scale, cap_scale,
+                 m, l, acc, G: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_GAP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                  MULTI_Q: tl.constexpr, TREE: tl.constexpr, HEAD_PACK: tl.constexpr, PACK_GAP: tl.constexpr,
                  LOOP_PER_SEGMENT: tl.constexpr):
     """One online-softmax step of q [ROWS, BLOCK_D] against the tile of tokens tok0 ..
-    tok0 + BLOCK_N - 1 of a segment (those at or past ``seq_len`` are masked, so the
-    page-table tail and the unused part of the last page are never read; MULTI_Q: each row
+    tok0 + BLOCK_N - 1 of a segment, on pages ``page`` ([BLOCK_N] int32, ``_tile_pages``; None:
+    loaded here from the request's page-table row ``page_row_ptr``; tokens at or past ``seq_len``
+    are masked, so the unused part of the last page is never read; MULTI_Q: each row
     sees the keys of ``_seen_keys``). k_head / v_head point at the segment's KV head (its
     first, whose HEAD_PACK heads' rows the tile's columns hold, ``_pack_columns``). An FP8
     cache is read as int16 pairs and widened to q's dtype (fp16, see ``_load_q``) in registers
@@ -283,8 +293,8 @@ def _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head,
     mask_d = offs_d < HEAD_DIM
     tok = tok0 + offs_n
     mask_n = tok < seq_len
-    # tok >= 0: an unsigned division is one shift.
-    page = tl.load(page_row_ptr + tok.to(tl.uint32) // PAGE_SIZE, mask=mask_n, other=0)
+    if page is None:
+        page = _tile_pages(page_row_ptr, tok0, seq_len, PAGE_SIZE, BLOCK_N)
     # One unsigned compare covers negative ids too.
     key_ok = mask_n & (page.to(tl.uint32, bitcast=True) < num_pages)
     KV_FP8: tl.constexpr = k_head.dtype.element_ty == tl.float8e4nv
@@ -368,12 +378,25 @@ def _attend_tiles(q, k_ptr, v_ptr, stride_k_slot, stride_k_page, stride_k_head, 
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    # Loaded inside a tile, its page ids get a pipeline stage of their own from Triton 3.6's
+    # pipeliner, and K and V then run only NUM_STAGES - 2 tiles ahead (the 64-row tile at 3
+    # stages: two K/V buffers). Tiles of 64+ rows load the next tile's page ids a tile ahead, as
+    # a plain loop-carried value, so K and V run NUM_STAGES - 1 ahead (three buffers); smaller
+    # tiles timed no faster with it (docs/tuning.md).
+    PAGES_AHEAD: tl.constexpr = ROWS >= 64
+    page = _tile_pages(page_row_ptr, first_tok + tile_begin * BLOCK_N, seq_len, PAGE_SIZE, BLOCK_N) \
+        if PAGES_AHEAD else None
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+        tok0 = first_tok + tile * BLOCK_N
+        if PAGES_AHEAD:
+            next_page = _tile_pages(page_row_ptr, tok0 + BLOCK_N, seq_len, PAGE_SIZE, BLOCK_N)
         m, l, acc = _attend_tile(q, k_head, v_head, stride_k_slot, stride_k_page, stride_k_head, stride_v_slot,
-                                 stride_v_page, stride_v_head, page_row_ptr, first_tok + tile * BLOCK_N, seq_len,
+                                 stride_v_page, stride_v_head, page_row_ptr, page, tok0, seq_len,
                                  q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS, PAGE_SIZE,
                                  PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE, HEAD_PACK, PACK_GAP,
                                  LOOP_PER_SEGMENT=True)
+        if PAGES_AHEAD:
+            page = next_page
     return acc, m, l
 
 
@@ -692,7 +715,8 @@ def decode_stream_kernel(
             m, l, acc = _attend_tile(q, k_ptr + (h * HEAD_PACK).to(tl.int64) * stride_k_head,
                                      v_ptr + (h * HEAD_PACK).to(tl.int64) * stride_v_head, stride_k_slot,
                                      stride_k_page, stride_k_head, stride_v_slot, stride_v_page, stride_v_head,
-                                     page_table_ptr + b.to(tl.int64) * stride_pt, first_tok + tile * BLOCK_N, seq_len,
+                                     page_table_ptr + b.to(tl.int64) * stride_pt, None, first_tok + tile * BLOCK_N,
+                                     seq_len,
                                      q_len, tree, window, num_pages, qk_scale, cap_scale, m, l, acc, G, ROWS,
                                      PAGE_SIZE, PAGE_GAP, HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, MULTI_Q, TREE,
                                      HEAD_PACK, PACK_GAP, LOOP_PER_SEGMENT=False)
